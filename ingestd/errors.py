@@ -1,0 +1,67 @@
+"""The small family of exceptions ingestd raises, one per situation.
+
+Each is built on the standard exception that best describes it, so callers
+can catch either the precise ingestd type or the builtin one.
+"""
+from __future__ import annotations
+
+
+class IngestdError(Exception):
+    """Base of every error ingestd raises on purpose."""
+
+
+# -- replay storage ---------------------------------------------------------
+class StorageNotFound(IngestdError, FileNotFoundError):
+    """No replay storage at the given path (wrong path, or not created yet)."""
+
+
+class CorruptStorage(IngestdError, ValueError):
+    """The storage directory exists but its metadata or files are unreadable."""
+
+
+class SchemaMismatch(IngestdError, ValueError):
+    """A batch or a reopen request does not match the storage's schema/capacity."""
+
+
+class EmptyReplay(IngestdError, LookupError):
+    """Sampling was asked of a storage with no committed rows (non-blocking call)."""
+
+
+class SampleTimeout(IngestdError, TimeoutError):
+    """A blocking sample found no (eligible) data before its timeout."""
+
+
+class ClosedError(IngestdError, RuntimeError):
+    """The object was closed by its owner and cannot be used any more."""
+
+
+# -- configuration ------------------------------------------------------------
+class ConfigError(IngestdError, ValueError):
+    """A config value is wrong; ``key`` names it (``section.key``)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key {key!r}: {message}")
+
+
+# -- weights ------------------------------------------------------------------
+class BadWeights(IngestdError, ValueError):
+    """A weight payload is malformed or does not fit the policy."""
+
+
+# -- control plane ------------------------------------------------------------
+class DaemonUnavailable(IngestdError, ConnectionError):
+    """The daemon did not answer within the timeout (not running, wrong address, or no access)."""
+
+
+class CommandFailed(IngestdError, RuntimeError):
+    """The daemon answered with an error reply; ``code`` is the stable error code."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class BadReply(IngestdError, ValueError):
+    """The daemon's reply could not be understood (version skew or corruption)."""

@@ -1,0 +1,254 @@
+"""The shared replay storage: a memmapped ring any process can write into.
+
+Writers reserve a contiguous range of write indices under an ``flock`` (the
+kernel drops it if the holder dies), mark the slots odd, copy, and mark them
+even. Readers (``ReplayReader``) never lock: they check each row's sequence
+number before and after copying and re-draw rows that changed.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ingestd.errors import ClosedError, SchemaMismatch
+from ingestd.replay import files
+from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
+
+
+def schema_of(example_or_spec: TensorDictBase | Mapping) -> dict[Key, Leaf]:
+    """A schema from an example TensorDict (one row, or a batch of rows) or from a
+    ``{key: (shape, dtype)}`` mapping. The ingestd stamps are always added."""
+    schema: dict[Key, Leaf] = {}
+    if isinstance(example_or_spec, TensorDictBase):
+        skip = 1 if example_or_spec.batch_dims else 0
+        for key, value in example_or_spec.items(include_nested=True, leaves_only=True):
+            schema[as_key(key)] = Leaf(tuple(value.shape[skip:]), value.dtype)
+    else:
+        for key, spec in example_or_spec.items():
+            if isinstance(spec, Leaf):
+                schema[as_key(key)] = spec
+                continue
+            shape, dtype = spec
+            dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+            schema[as_key(key)] = Leaf(tuple(int(s) for s in shape), dtype)
+    return with_stamps(schema)
+
+
+class MappedStore:
+    """Maps a storage directory: header, sequence numbers and one tensor per leaf."""
+
+    def __init__(self, path: str | os.PathLike, writable: bool):
+        self.path = Path(path)
+        meta = files.read_meta(self.path)
+        self.capacity: int = meta["capacity"]
+        self.schema: dict[Key, Leaf] = meta["schema"]
+        self._maps = []
+        mm, self._header = files.map_header(self.path, self.capacity, writable)
+        self._maps.append(mm)
+        self.seq = self._header[files.HEADER_WORDS:]
+        self.leaves: dict[Key, torch.Tensor] = {}
+        for key, leaf in self.schema.items():
+            mm, tensor = files.map_tensor(files.leaf_path(self.path, key), leaf, self.capacity, writable)
+            self._maps.append(mm)
+            self.leaves[key] = tensor
+        self._closed = False
+
+    @property
+    def write_count(self) -> int:
+        """Rows ever written (64-bit, persistent, never goes backwards)."""
+        self._check_open()
+        return int(self._header[files.H_WRITE_COUNT])
+
+    def __len__(self) -> int:
+        """Rows currently held: ``min(write_count, capacity)`` (rows in flight included)."""
+        return min(self.write_count, self.capacity)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"replay storage {self.path} was closed; open it again to use it")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.leaves.clear()
+        self.seq = self._header = None  # drop numpy views before unmapping
+        for mm in self._maps:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # a caller still holds a view; the mapping goes when it does
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReplayStorage(MappedStore):
+    """Read-write handle: what workers (and the daemon) use to write rows."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path, writable=True)
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR)
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | os.PathLike, example_or_spec, capacity: int) -> "ReplayStorage":
+        """Create a new storage at ``path`` (which must not hold one already)."""
+        path = Path(path)
+        capacity = int(capacity)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
+        schema = schema_of(example_or_spec)
+        if (path / "meta.json").exists():
+            raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open to reopen it")
+        if path.exists() and any(p for p in path.iterdir() if p.name not in ("leaves", "lock", "header.bin")):
+            raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
+        path.mkdir(parents=True, exist_ok=True)
+        files.allocate(path, schema, capacity)
+        files.write_meta(path, schema, capacity)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, example_or_spec=None, capacity: int | None = None,
+             recover: bool = False) -> "ReplayStorage":
+        """Reopen a storage. With ``example_or_spec``/``capacity`` given, a mismatch is an error
+        (nothing is ever wiped). ``recover=True`` clears slots left mid-write by dead writers; call
+        it only while no writer is alive (the daemon does, before it starts its workers)."""
+        store = cls(path)
+        try:
+            store._check_matches(example_or_spec, capacity)
+            if recover:
+                store.recover()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def open_or_create(cls, path: str | os.PathLike, example_or_spec, capacity: int,
+                       recover: bool = True) -> "ReplayStorage":
+        if (Path(path) / "meta.json").exists():
+            return cls.open(path, example_or_spec, capacity, recover=recover)
+        return cls.create(path, example_or_spec, capacity)
+
+    def _check_matches(self, example_or_spec, capacity: int | None) -> None:
+        if capacity is not None and int(capacity) != self.capacity:
+            raise SchemaMismatch(
+                f"{self.path} holds a storage of capacity {self.capacity}, not {capacity}; "
+                "use the same capacity, or point the replay at a new path")
+        if example_or_spec is None:
+            return
+        wanted = schema_of(example_or_spec)
+        if wanted != self.schema:
+            raise SchemaMismatch(f"{self.path} holds a different schema: {describe_diff(self.schema, wanted)}; "
+                                 "use a new replay path for a different env (nothing was changed)")
+
+    # -- writing ---------------------------------------------------------------
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._check_open()
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def recover(self) -> int:
+        """Mark slots left odd (mid-write) as empty; returns how many were cleared."""
+        with self._locked():
+            odd = np.flatnonzero(self.seq & 1)
+            self.seq[odd] = 0
+        return int(odd.size)
+
+    def next_incarnation(self) -> int:
+        """A persistent, never-repeating number (used to make episode ids unique forever)."""
+        with self._locked():
+            self._header[files.H_INCARNATIONS] += 1
+            return int(self._header[files.H_INCARNATIONS])
+
+    def write(self, batch: TensorDictBase) -> int:
+        """Append a batch of rows; returns the write index of its first row.
+
+        The batch must carry every schema key with shape ``(n, *row_shape)`` and the
+        schema's dtype (``("ingestd", "write_index")`` is filled in here)."""
+        n = self._validate(batch)
+        if n == 0:
+            return self.write_count
+        with self._locked():
+            start = int(self._header[files.H_WRITE_COUNT])
+            self._header[files.H_WRITE_COUNT] = start + n
+            index = np.arange(start, start + n, dtype=np.int64)
+            self._set_seq(index, 2 * index + 1)
+        self._fill(index, batch)
+        self._set_seq(index, 2 * index + 2)
+        return start
+
+    def _set_seq(self, index: np.ndarray, values: np.ndarray) -> None:
+        for dst, src in self._segments(int(index[0]), index.size):
+            self.seq[dst] = values[src]
+
+    def _fill(self, index: np.ndarray, batch: TensorDictBase) -> None:
+        """Copy the rows into their reserved slots (a separate step so tests can stall it)."""
+        windex = torch.from_numpy(index)
+        for key, tensor in self.leaves.items():
+            src = windex if key == WRITE_INDEX else batch.get(key)
+            for dst, part in self._segments(int(index[0]), index.size):
+                tensor[dst].copy_(src[part])
+
+    def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
+        """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)``."""
+        first = start % self.capacity
+        head = min(n, self.capacity - first)
+        parts = [(slice(first, first + head), slice(0, head))]
+        if head < n:
+            parts.append((slice(0, n - head), slice(head, n)))
+        return parts
+
+    def _validate(self, batch: TensorDictBase) -> int:
+        if not isinstance(batch, TensorDictBase) or batch.batch_dims != 1:
+            raise SchemaMismatch("write() takes a TensorDict with one batch dimension (rows)")
+        n = batch.batch_size[0]
+        if n > self.capacity:
+            raise SchemaMismatch(f"a batch of {n} rows does not fit a storage of capacity {self.capacity}; "
+                                 "write smaller batches or raise replay.capacity")
+        got = {as_key(k) for k in batch.keys(include_nested=True, leaves_only=True)} - {WRITE_INDEX}
+        want = set(self.schema) - {WRITE_INDEX}
+        if got != want:
+            raise SchemaMismatch(f"batch keys do not match the storage: missing {sorted(want - got)}, "
+                                 f"unexpected {sorted(got - want)}")
+        for key in want:
+            leaf, value = self.schema[key], batch.get(key)
+            if tuple(value.shape[1:]) != leaf.shape or value.dtype != leaf.dtype:
+                raise SchemaMismatch(f"leaf {key}: got shape {tuple(value.shape[1:])} {value.dtype} per row, "
+                                     f"the storage holds {leaf.shape} {leaf.dtype}")
+        return n
+
+    def close(self) -> None:
+        if not self._closed:
+            os.close(self._lock_fd)
+        super().close()
+
+
+def describe_diff(have: Mapping[Key, Leaf], want: Mapping[Key, Leaf]) -> str:
+    parts = []
+    if missing := sorted(set(want) - set(have)):
+        parts.append(f"keys not stored {missing}")
+    if extra := sorted(set(have) - set(want)):
+        parts.append(f"stored keys not produced {extra}")
+    for key in sorted(set(have) & set(want)):
+        if have[key] != want[key]:
+            parts.append(f"{key}: stored {have[key].shape} {have[key].dtype}, "
+                         f"produced {want[key].shape} {want[key].dtype}")
+    return "; ".join(parts)
