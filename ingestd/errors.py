@@ -65,3 +65,8 @@ class CommandFailed(IngestdError, RuntimeError):
 
 class BadReply(IngestdError, ValueError):
     """The daemon's reply could not be understood (version skew or corruption)."""
+
+
+# -- collection ---------------------------------------------------------------
+class EnvFault(IngestdError, RuntimeError):
+    """An env produced data that must not be stored (wrong shape, non-finite reward...)."""

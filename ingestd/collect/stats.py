@@ -1,0 +1,106 @@
+"""Per-worker stats blocks in shared memory.
+
+One fixed-size record per worker slot in a file on tmpfs. A worker writes
+its own record (state, counters, heartbeat, returns); the daemon writes
+``desired`` and ``restarts``; the control plane and the metrics read it at
+will. No per-frame messaging: every field is a plain aligned 64-bit word.
+"""
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+MAX_WORKERS = 256
+RING = 32  # finished episodes remembered per worker
+ERROR_BYTES = 240
+
+
+class State(enum.IntEnum):
+    EMPTY = 0
+    STARTING = 1
+    RUNNING = 2
+    PAUSED = 3
+    STOPPING = 4
+    STOPPED = 5
+    FAILED = 6
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Desired(enum.IntEnum):
+    RUN = 0
+    PAUSE = 1
+    STOP = 2
+
+
+RECORD = np.dtype([
+    ("desired", np.int64), ("state", np.int64), ("pid", np.int64), ("incarnation", np.int64),
+    ("restarts", np.int64), ("frames", np.int64), ("episodes", np.int64), ("chunks", np.int64),
+    ("heartbeat", np.float64), ("started_at", np.float64), ("weights_version", np.int64),
+    ("seed", np.int64), ("pause_reason", np.int64), ("limiter_waits", np.int64),
+    ("limiter_blocked_s", np.float64), ("chunk_seconds", np.float64),
+    ("returns_count", np.int64), ("returns", np.float64, (RING,)), ("lengths", np.int64, (RING,)),
+    ("error", f"S{ERROR_BYTES}"),
+], align=True)
+
+
+class StatsBlock:
+    """Maps the stats file; ``records[i]`` is worker ``i``'s record (a numpy void view)."""
+
+    def __init__(self, path: str | os.PathLike, create: bool = False):
+        self.path = Path(path)
+        size = RECORD.itemsize * MAX_WORKERS
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.records = np.frombuffer(self._mm, dtype=RECORD)
+
+    def __getitem__(self, index: int) -> np.void:
+        return self.records[index]
+
+    def reset(self, index: int) -> None:
+        """Clear a slot for a fresh worker (keeps restarts, desired and episode counts)."""
+        rec = self.records[index]
+        for name in ("state", "pid", "incarnation", "chunks", "weights_version", "seed",
+                     "pause_reason", "chunk_seconds"):
+            rec[name] = 0
+        rec["heartbeat"] = rec["started_at"] = time.monotonic()
+        rec["error"] = b""
+
+    def set_error(self, index: int, message: str) -> None:
+        self.records[index]["error"] = message.encode("utf-8", "replace")[:ERROR_BYTES]
+
+    def error(self, index: int) -> str:
+        return bytes(self.records[index]["error"]).decode("utf-8", "replace")
+
+    def state(self, index: int) -> State:
+        return State(int(self.records[index]["state"]))
+
+    def recent_returns(self, index: int, n: int = RING) -> list[tuple[float, int]]:
+        """The last ``n`` finished episodes (return, length), oldest first."""
+        rec = self.records[index]
+        count = int(rec["returns_count"])
+        take = min(n, count, RING)
+        pos = [(count - take + k) % RING for k in range(take)]
+        return [(float(rec["returns"][p]), int(rec["lengths"][p])) for p in pos]
+
+    def close(self) -> None:
+        self.records = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass

@@ -1,0 +1,182 @@
+"""The worker process: one loop of read desired state → apply weights → roll a
+chunk → write it → update stats.
+
+Weights are applied only between chunks, so every row's ``policy_version``
+is exact. Pause and stop are acknowledged through the stats block after the
+chunk in flight has been written: a pause never drops data.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ingestd.collect.stats import Desired, State, StatsBlock
+
+log = logging.getLogger("ingestd.worker")
+
+_PR_SET_PDEATHSIG = 1
+_PAUSED_POLL_S = 0.001
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker process needs: paths to shared objects, and its job."""
+
+    index: int
+    replay_path: str
+    stats_path: str
+    weights_path: str
+    env: str
+    policy: str
+    num_envs: int
+    chunk_steps: int
+    seed: int
+    threads: int = 1
+    device: str = "cpu"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def derive_seed(base: int, worker: int, incarnation: int) -> int:
+    """A distinct, stable 63-bit seed per (base seed, worker, incarnation)."""
+    state = np.random.SeedSequence([base, worker, incarnation]).generate_state(2, dtype=np.uint64)
+    return int(state[0] >> np.uint64(1))
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Process entry point. Exits 0 after a requested stop, 1 after an error."""
+    _child_setup()
+    stats = StatsBlock(spec.stats_path)
+    code = 0
+    try:
+        Worker(spec, stats).run()
+    except BaseException as exc:  # report everything, then die; the supervisor decides what next
+        message = f"{type(exc).__name__}: {exc}"
+        stats.set_error(spec.index, message)
+        print(f"ingestd worker {spec.index} (pid {os.getpid()}) failed: {message}\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)  # no finalizers: the parent's zmq/threads are not ours to clean up
+
+
+def _child_setup() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:  # die with the daemon, even if it is SIGKILLed
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, stats: StatsBlock):
+        self.spec, self.stats = spec, stats
+        self.rec = stats[spec.index]
+
+    def run(self) -> None:
+        import torch
+
+        from ingestd.collect.rollout import Rollout
+        from ingestd.replay.storage import ReplayStorage
+
+        spec, rec = self.spec, self.rec
+        rec["pid"], rec["state"] = os.getpid(), State.STARTING
+        self._beat()
+        torch.set_num_threads(max(1, spec.threads))
+        storage = ReplayStorage.open(spec.replay_path)
+        incarnation = storage.next_incarnation()
+        seed = derive_seed(spec.seed, spec.index, incarnation)
+        rec["incarnation"], rec["seed"] = incarnation, seed
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
+        env, policy = build_env_and_policy(spec, seed, incarnation << 32)
+        weights = _attach_weights(spec.weights_path, policy)
+        self.version = self._apply_weights(weights, policy, -1)
+        rollout = Rollout(env, policy, spec.index, incarnation << 32, spec.chunk_steps)
+        try:
+            self._loop(rollout, storage, weights, policy)
+        finally:
+            env.close()
+            storage.close()
+        rec["state"] = State.STOPPED
+
+    def _loop(self, rollout, storage, weights, policy) -> None:
+        rec = self.rec
+        while True:
+            self._beat()
+            desired = rec["desired"]
+            if desired == Desired.STOP:
+                rec["state"] = State.STOPPING
+                return
+            if desired == Desired.PAUSE:
+                rec["state"] = State.PAUSED
+                time.sleep(_PAUSED_POLL_S)
+                continue
+            rec["state"] = State.RUNNING
+            self.version = self._apply_weights(weights, policy, self.version)
+            t0 = time.perf_counter()
+            rows, finished = rollout.chunk(self.version)
+            storage.write(rows)
+            self._account(rows.batch_size[0], finished, time.perf_counter() - t0)
+
+    def _apply_weights(self, weights, policy, current: int) -> int:
+        if weights is None:
+            return max(current, 0)
+        applied = weights.load_into(policy, if_newer_than=current)
+        if applied is None:
+            return current
+        self.rec["weights_version"] = applied
+        return applied
+
+    def _account(self, frames: int, finished, seconds: float) -> None:
+        rec = self.rec
+        count = int(rec["returns_count"])
+        for ret, length in zip(finished.returns, finished.lengths):
+            slot = count % len(rec["returns"])
+            rec["returns"][slot], rec["lengths"][slot] = ret, length
+            count += 1
+        rec["returns_count"] = count
+        rec["episodes"] += len(finished.returns)
+        rec["frames"] += frames
+        rec["chunks"] += 1
+        rec["chunk_seconds"] = seconds
+
+    def _beat(self) -> None:
+        self.rec["heartbeat"] = time.monotonic()
+
+
+def build_env_and_policy(spec: WorkerSpec, seed: int, episode_base: int, num_envs: int | None = None):
+    """Construct the configured env and policy (also used by the daemon for the schema)."""
+    from ingestd.collect.interfaces import EnvContext
+    from ingestd.collect.registry import make_env, make_policy
+
+    ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=seed, worker=spec.index,
+                     episode_base=episode_base, device=spec.device)
+    env = make_env(spec.env, ctx, dict(spec.env_kwargs))
+    policy = make_policy(spec.policy, env.spec, dict(spec.policy_kwargs))
+    if hasattr(policy, "to") and spec.device != "cpu":
+        policy = policy.to(spec.device)
+    return env, policy
+
+
+def _attach_weights(path: str, policy):
+    """The shared weight store, if this policy takes weights."""
+    import torch
+
+    if not isinstance(policy, torch.nn.Module) or not policy.state_dict():
+        return None
+    from ingestd.weights.store import WeightStore
+
+    return WeightStore.attach(path)

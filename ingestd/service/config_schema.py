@@ -1,0 +1,492 @@
+"""The config schema: frozen dataclasses whose fields carry their own docs and rules.
+
+Every setting is declared once, with :func:`setting`, which puts in the field's
+metadata:
+
+- ``doc``: one or two sentences (the README reference and the commented
+  default file are generated from it);
+- ``rule``: a :class:`Rule` that checks a raw TOML value and returns the typed
+  value, raising :class:`~ingestd.errors.ConfigError` naming the key and the
+  accepted values;
+- ``live``: whether a change can be applied on SIGHUP without a restart.
+
+This module only declares; :mod:`ingestd.service.config` parses, loads, writes
+and diffs. Cross-field rules live there too, so all checking is in one place.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from ingestd.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_ALIASES = ("CartPole", "Pixels", "Checksum", "Gym")
+MAX_WORKERS = 256  # the stats block has one record per worker (ingestd.collect.stats.MAX_WORKERS)
+IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+MiB = 1 << 20
+
+
+# -- immutable TOML tables ----------------------------------------------------
+class FrozenTable(Mapping[str, Any]):
+    """An immutable, hashable, picklable TOML table (``env_kwargs``, ``policy_kwargs``).
+
+    Nested tables are ``FrozenTable`` too and arrays are tuples; it can be
+    splatted (``factory(**table)``) and ``thaw(table)`` gives plain dicts/lists.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None):
+        self._data = {str(k): freeze(v) for k, v in (data or {}).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenTable({self._data!r})"
+
+    def __reduce__(self):
+        return (FrozenTable, (self._data,))
+
+
+def freeze(value: Any) -> Any:
+    """Tables become :class:`FrozenTable`, arrays tuples; scalars are returned as they are."""
+    if isinstance(value, Mapping):
+        return value if isinstance(value, FrozenTable) else FrozenTable(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """The inverse of :func:`freeze`: plain dicts and lists, as ``tomllib`` returns them."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+# -- TOML values ----------------------------------------------------------------
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_SCALARS = (str, bool, int, float, _dt.datetime, _dt.date, _dt.time)
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string, escaping quotes, backslashes and control characters."""
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else toml_string(key)
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value on one line (tables are written inline)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"{type(value).__name__} cannot be written as TOML")
+
+
+def describe(value: Any) -> str:
+    """How an error message shows a value the user gave: ``"4" (a string)``."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+             (Mapping, "a table"), ((list, tuple), "an array"))
+    for kind, name in kinds:
+        if isinstance(value, kind):
+            shown = toml_value(value)
+            return f"{shown[:60]}{'...' if len(shown) > 60 else ''} ({name})"
+    return f"{type(value).__name__} {value!r}"
+
+
+def suggest(word: str, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# -- rules ----------------------------------------------------------------------
+class Rule:
+    """Checks one raw value; ``accepted`` says what is allowed, in every error."""
+
+    accepted = "a value"
+
+    def check(self, key: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    def fail(self, key: str, value: Any, hint: str = "") -> ConfigError:
+        return ConfigError(key, f"expected {self.accepted}, got {describe(value)}{hint}")
+
+    def _text(self, key: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise self.fail(key, value)
+        return value
+
+
+@dataclass(frozen=True)
+class Int(Rule):
+    lo: int
+    hi: int
+
+    @property
+    def accepted(self) -> str:
+        return f"an integer in {self.lo}..{self.hi}"
+
+    def check(self, key: str, value: Any) -> int:
+        if isinstance(value, float) and value.is_integer():
+            raise self.fail(key, value, f"; write it without a decimal point: {int(value)}")
+        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d[\d_]*\s*", value):
+            raise self.fail(key, value, "; write the number without quotes")
+        if isinstance(value, bool) or not isinstance(value, int) or not self.lo <= value <= self.hi:
+            raise self.fail(key, value)
+        return value
+
+
+@dataclass(frozen=True)
+class Float(Rule):
+    """A finite number above ``gt`` (integers are accepted and converted)."""
+
+    gt: float
+    unit: str = "seconds"
+
+    @property
+    def accepted(self) -> str:
+        return f"a finite number > {self.gt:g} ({self.unit})"
+
+    def check(self, key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
+        if not math.isfinite(value) or not value > self.gt:
+            raise self.fail(key, value)
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Bool(Rule):
+    accepted = "true or false"
+
+    def check(self, key: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            quoted = isinstance(value, str) and value.lower() in ("true", "false")
+            raise self.fail(key, value, "; write it without quotes" if quoted else "")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice(Rule):
+    """One of ``choices``, matched case-insensitively and returned in its canonical spelling."""
+
+    choices: tuple[str, ...]
+
+    @property
+    def accepted(self) -> str:
+        return "one of " + ", ".join(self.choices)
+
+    def check(self, key: str, value: Any) -> str:
+        text = self._text(key, value)
+        for choice in self.choices:
+            if text.lower() == choice.lower():
+                return choice
+        raise self.fail(key, value, suggest(text, self.choices))
+
+
+@dataclass(frozen=True)
+class Pattern(Rule):
+    """A string matching ``regex`` in full (``empty_ok``: ``""`` also passes)."""
+
+    regex: str
+    what: str
+    empty_ok: bool = False
+
+    @property
+    def accepted(self) -> str:
+        return self.what
+
+    def check(self, key: str, value: Any) -> str:
+        text = self._text(key, value)
+        if (text or not self.empty_ok) and not re.fullmatch(self.regex, text):
+            raise self.fail(key, value)
+        return text
+
+
+_IMPORT_PATH = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+
+
+@dataclass(frozen=True)
+class Factory(Rule):
+    """A built-in name or an import path ``package.module:factory``.
+
+    With ``aliases`` the name must be one of them (case-insensitive, returned
+    canonical); without, any identifier is accepted and resolved by the
+    worker when it starts.
+    """
+
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def accepted(self) -> str:
+        names = ("one of " + ", ".join(self.aliases)) if self.aliases else "a built-in name (e.g. MLP)"
+        return f"{names}, or an import path 'package.module:factory'"
+
+    def check(self, key: str, value: Any) -> str:
+        text = self._text(key, value)
+        if ":" in text:
+            if not re.fullmatch(_IMPORT_PATH, text):
+                raise self.fail(key, value, "; an import path looks like 'mypkg.envs:make_env'")
+            return text
+        if not self.aliases:
+            if not text.isidentifier():
+                raise self.fail(key, value)
+            return text
+        return Choice(self.aliases).check(key, value) if text else self.fail_raise(key, value)
+
+    def fail_raise(self, key: str, value: Any) -> str:
+        raise self.fail(key, value)
+
+
+@dataclass(frozen=True)
+class PathSetting(Rule):
+    """An absolute path (``~`` = the home directory) or ``""`` for ``empty``."""
+
+    empty: str
+
+    @property
+    def accepted(self) -> str:
+        return f'an absolute path (may start with ~/), or "" for {self.empty}'
+
+    def check(self, key: str, value: Any) -> str:
+        text = self._text(key, value)
+        if "\0" in text:
+            raise self.fail(key, value, "; the path contains a NUL character")
+        if text and not (text.startswith("/") or text == "~" or text.startswith("~/")):
+            raise self.fail(key, value, "; relative paths are ambiguous under systemd, write it in full")
+        return text
+
+
+_TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>\d+|\*)")
+
+
+@dataclass(frozen=True)
+class Address(Rule):
+    """A ZeroMQ endpoint to bind: ``ipc:///abs/path``, ``ipc://@abstract`` or ``tcp://host:port``."""
+
+    empty: str
+
+    @property
+    def accepted(self) -> str:
+        return f'ipc:///absolute/path, ipc://@name, tcp://host:port, or "" for {self.empty}'
+
+    def check(self, key: str, value: Any) -> str:
+        text = self._text(key, value).strip()
+        if not text:
+            return text
+        if text.startswith("ipc://"):
+            path = text[len("ipc://"):]
+            if not (path.startswith("/") or (path.startswith("@") and len(path) > 1)):
+                raise self.fail(key, value)
+            check_ipc_length(key, text)
+            return text
+        match = _TCP.fullmatch(text)
+        if match is None or (match["port"] != "*" and not 1 <= int(match["port"]) <= 65535):
+            raise self.fail(key, value)
+        return text
+
+
+def check_ipc_length(key: str, address: str) -> None:
+    """Raise if an ``ipc://`` socket path is longer than the kernel allows."""
+    path = address[len("ipc://"):]
+    if address.startswith("ipc://") and len(path.encode()) > IPC_PATH_MAX:
+        raise ConfigError(key, f"the ipc socket path {path!r} is {len(path.encode())} bytes, longer than the "
+                               f"{IPC_PATH_MAX} the OS allows; use a shorter path (e.g. a shorter "
+                               "service.runtime_dir)")
+
+
+@dataclass(frozen=True)
+class Table(Rule):
+    """A TOML table, frozen; every value must be writable back as TOML."""
+
+    accepted = "a table, e.g. { max_steps = 500 }"
+
+    def check(self, key: str, value: Any) -> FrozenTable:
+        if not isinstance(value, Mapping):
+            raise self.fail(key, value)
+        self._check_values(key, value)
+        return FrozenTable(value)
+
+    def _check_values(self, key: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigError(key, f"table keys must be strings, got {k!r}")
+                self._check_values(f"{key}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                self._check_values(f"{key}[{i}]", v)
+        elif not isinstance(value, _TOML_SCALARS):
+            raise ConfigError(key, f"{describe(value)} has no TOML form; use a string, number, boolean, "
+                                   "date/time, array or table")
+
+
+# -- the schema -----------------------------------------------------------------
+def setting(default: Any, doc: str, rule: Rule, *, live: bool = False) -> Any:
+    """A config field: its default, its one-place doc, its rule and whether it reloads live."""
+    return field(default=default, metadata={"doc": doc, "rule": rule, "live": live})
+
+
+_HOST = r"[A-Za-z0-9_.:%-]+|\[[0-9A-Fa-f:.%\w]+\]"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The daemon process: where it keeps its files, logging, shutdown, seeding."""
+
+    data_dir: str = setting(
+        "", "Directory for persistent state (the replay storage by default). Empty: $STATE_DIRECTORY "
+            "(set by systemd's StateDirectory=), else $XDG_STATE_HOME/ingestd, else ~/.local/state/ingestd.",
+        PathSetting("the default"))
+    runtime_dir: str = setting(
+        "", "Directory for sockets, the weight store and the worker stats block. Empty: "
+            "$RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else $XDG_RUNTIME_DIR/ingestd, "
+            "else /tmp/ingestd-<uid>.",
+        PathSetting("the default"))
+    log_level: str = setting("info", "Log verbosity of the daemon.", Choice(LOG_LEVELS), live=True)
+    stop_timeout_s: float = setting(
+        10.0, "One deadline for shutdown: workers get this long to stop (join, then terminate, then kill).",
+        Float(0.0), live=True)
+    seed: int = setting(0, "Base random seed; each worker incarnation derives a distinct, reproducible seed.",
+                        Int(0, 2**63 - 1))
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The shared replay storage every worker writes into and trainers sample from."""
+
+    path: str = setting("", "Directory of the replay storage. Empty: <data_dir>/replay.",
+                        PathSetting("<data_dir>/replay"))
+    capacity: int = setting(
+        1_000_000, "Rows (transitions) the ring holds. Must be at least 2 * max(workers.count, 1) * "
+                   "workers.num_envs * workers.chunk_steps.", Int(1, 2**40))
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """The collector worker processes: what they run and how the supervisor restarts them."""
+
+    count: int = setting(2, "Number of collector worker processes (0 = collect nothing).",
+                         Int(0, MAX_WORKERS), live=True)
+    env: str = setting("CartPole", "Environment factory: a built-in (Gym takes env_kwargs = { id = ... }) "
+                                   "or an import path.", Factory(ENV_ALIASES))
+    env_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the env factory.", Table())
+    num_envs: int = setting(64, "Sub-environments batched in each worker.", Int(1, 1 << 24))
+    chunk_steps: int = setting(16, "Steps rolled out per chunk; one chunk = num_envs * chunk_steps rows.",
+                               Int(1, 1 << 20))
+    policy: str = setting("MLP", "Policy factory: a built-in name or an import path.", Factory())
+    policy_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the policy factory.", Table())
+    threads: int = setting(0, "Intra-op threads per worker; 0 = the CPU cores shared out among workers.",
+                           Int(0, 1024))
+    device: str = setting("cpu", "Torch device the workers run env and policy on.",
+                          Pattern(r"[a-z]+(:\d+)?", "a torch device such as cpu, cuda or cuda:1"))
+    heartbeat_timeout_s: float = setting(
+        5.0, "A running worker whose heartbeat is older than this is considered hung and restarted.",
+        Float(0.0), live=True)
+    restart_backoff_s: float = setting(0.1, "First delay before restarting a dead worker; doubles per failure.",
+                                       Float(0.0), live=True)
+    restart_backoff_max_s: float = setting(2.0, "Upper bound of the restart delay (>= restart_backoff_s).",
+                                           Float(0.0), live=True)
+    restart_budget: int = setting(
+        5, "Consecutive failed starts (deaths without writing a chunk since starting) before a worker is "
+           "marked failed.", Int(1, 1_000_000), live=True)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The ZeroMQ control socket and event publisher."""
+
+    address: str = setting("", "Where the control ROUTER socket binds. tcp:// requires both CURVE keys.",
+                           Address("ipc://<runtime_dir>/control.sock"))
+    events_address: str = setting("", "Where the event PUB socket binds. tcp:// requires both CURVE keys.",
+                                  Address("ipc://<runtime_dir>/events.sock"))
+    curve_secret_key: str = setting("", "The daemon's CURVE secret key file (from `ingestctl keygen`).",
+                                    PathSetting("none"))
+    curve_authorized_keys: str = setting("", "Directory of client CURVE public keys allowed to connect.",
+                                         PathSetting("none"))
+    max_message_bytes: int = setting(256 * MiB, "Largest message accepted (ZMQ_MAXMSGSIZE); bounds weight "
+                                                "pushes.", Int(1024, 2**62))
+    max_frames: int = setting(8, "Most frames in one request (JSON header + binary payloads).", Int(2, 1024))
+    ack_timeout_s: float = setting(
+        10.0, "How long a command waits for workers to acknowledge (pause, resume, weights applied).",
+        Float(0.0), live=True)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus exporter."""
+
+    enabled: bool = setting(True, "Serve Prometheus metrics over HTTP.", Bool())
+    address: str = setting("127.0.0.1", "Interface the metrics HTTP server binds (0.0.0.0 = all).",
+                           Pattern(_HOST, "a host name or IP address"))
+    port: int = setting(9464, "TCP port of the metrics server; 0 = an ephemeral port.", Int(0, 65535))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole effective configuration: one frozen section per TOML table."""
+
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dicts/lists, shaped like the TOML document (``config_from_dict`` reads it back)."""
+        return {name: {key: thaw(getattr(getattr(self, name), key)) for key in section_keys(cls)}
+                for name, cls in SECTIONS.items()}
+
+
+SECTIONS: dict[str, type] = {
+    "service": ServiceConfig, "replay": ReplayConfig, "workers": WorkersConfig,
+    "control": ControlConfig, "metrics": MetricsConfig,
+}
+
+
+def section_keys(cls: type) -> tuple[str, ...]:
+    return tuple(cls.__dataclass_fields__)

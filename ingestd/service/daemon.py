@@ -1,0 +1,204 @@
+"""The daemon: builds the layout, runs the supervisor in the main thread,
+talks to systemd, and serves commands submitted by other threads."""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import time
+from concurrent.futures import Future
+from typing import Callable, Mapping
+
+import torch
+
+from ingestd.collect.stats import Desired, State
+from ingestd.service.layout import Layout, build_layout
+from ingestd.service.notify import Notifier
+from ingestd.service.supervisor import RestartPolicy, Supervisor
+from ingestd.service.telemetry import Telemetry
+
+log = logging.getLogger("ingestd.daemon")
+
+TICK_S = 0.02
+STATUS_EVERY_S = 5.0
+
+
+class Daemon:
+    """One running ingestd. ``run()`` blocks until a stop is requested."""
+
+    def __init__(self, config, config_path: str | None, overrides: tuple[str, ...],
+                 environ: Mapping[str, str], clock: Callable[[], float] = time.monotonic):
+        from ingestd.service.config import resolve_paths
+
+        self.config, self.config_path, self.overrides = config, config_path, tuple(overrides)
+        self.environ, self.clock = environ, clock
+        self.paths = resolve_paths(config, environ)
+        self.notifier = Notifier(environ)
+        self.started_at = time.time()
+        self.telemetry = Telemetry()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop_requested = False
+        self._reload_requested = False
+        self._listeners: list[Callable[..., None]] = []
+        self.layout: Layout | None = None
+        self.supervisor: Supervisor | None = None
+        self.services: list = []  # started after the layout; each has start(daemon) and stop()
+
+    # -- cross-thread entry points ------------------------------------------------------
+    def submit(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` in the main thread at the next tick (for commands that fork or scale)."""
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def subscribe(self, listener: Callable[..., None]) -> None:
+        """``listener(kind, **fields)`` gets every supervisor/daemon event."""
+        self._listeners.append(listener)
+
+    def emit(self, kind: str, **fields) -> None:
+        log.info("event %s %s", kind, fields)
+        for listener in self._listeners:
+            try:
+                listener(kind, **fields)
+            except Exception:  # a broken listener must not take the daemon down
+                log.exception("event listener failed for %s", kind)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def run(self) -> int:
+        torch.set_num_threads(1)  # the daemon forks workers: keep OpenMP's pool unstarted here
+        self._install_signals()
+        self.layout = build_layout(self.config, self.paths)
+        w = self.config.workers
+        self.supervisor = Supervisor(
+            self.layout.worker_spec, self.layout.stats,
+            RestartPolicy(w.heartbeat_timeout_s, w.restart_backoff_s, w.restart_backoff_max_s, w.restart_budget),
+            on_event=self.emit, clock=self.clock)
+        try:
+            for service in self.services:
+                service.start(self)
+            self.supervisor.scale(w.count)
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _loop(self) -> None:
+        start_count = self.layout.storage.write_count
+        ready = False
+        next_status = 0.0
+        while not self._stop_requested:
+            now = self.clock()
+            self.supervisor.tick()
+            self._run_calls()
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
+            if not ready and self._first_data(start_count):
+                ready = True
+                self.notifier.ready(self.status_line())
+                log.info("ready: %s", self.status_line())
+            if ready and now >= next_status:
+                self.notifier.status(self.status_line())
+                next_status = now + STATUS_EVERY_S
+            self.notifier.watchdog(now)
+            time.sleep(TICK_S)
+
+    def _first_data(self, start_count: int) -> bool:
+        if self.layout.storage.write_count > start_count:
+            return True
+        running = [i for i in self.supervisor.slots if self.layout.stats.state(i) != State.FAILED]
+        return not running  # nothing will ever write: say ready anyway so systemd can see status
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        self.notifier.stopping()
+        log.info("stopping: draining workers (deadline %.1f s)", self.config.service.stop_timeout_s)
+        if self.supervisor is not None:
+            clean = self.supervisor.stop_all(self.config.service.stop_timeout_s)
+            if not clean:
+                log.warning("some workers had to be terminated")
+        self._run_calls()  # answer anything still queued (they see a stopped daemon)
+        for service in reversed(self.services):
+            try:
+                service.stop()
+            except Exception:
+                log.exception("error while stopping %s", type(service).__name__)
+        if self.layout is not None:
+            self.layout.close()
+        self.notifier.close()
+        log.info("stopped")
+
+    def _install_signals(self) -> None:
+        def stop(signum, frame):
+            log.info("received %s", signal.Signals(signum).name)
+            self._stop_requested = True
+
+        def reload(signum, frame):
+            self._reload_requested = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, reload)
+
+    # -- operations (main thread) -----------------------------------------------------------
+    def reload(self) -> dict:
+        """Re-read the config file; apply what can change live, report the rest."""
+        from ingestd.service.config import load_config, reloadable_diff
+
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path, self.overrides)
+        except Exception as exc:
+            log.error("reload failed, keeping the running config: %s", exc)
+            self.notifier.ready(self.status_line())
+            raise
+        applied, needs_restart = reloadable_diff(self.config, new)
+        if "service.log_level" in applied:
+            logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
+        if "workers.count" in applied:
+            self.supervisor.scale(new.workers.count)
+        self.config = _with_live(self.config, new, applied)
+        self.layout.config = self.config
+        if needs_restart:
+            log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
+        log.info("reload: applied %s", ", ".join(applied) or "nothing (no live change)")
+        self.notifier.ready(self.status_line())
+        self.emit("config.reloaded", applied=applied, not_applied=needs_restart)
+        return {"applied": applied, "not_applied": needs_restart}
+
+    def set_desired(self, desired: Desired) -> None:
+        self.supervisor.set_desired(desired)
+
+    def status_line(self) -> str:
+        stats, sup = self.layout.stats, self.supervisor
+        running = sum(1 for i in sup.slots if stats.state(i) == State.RUNNING)
+        frames = sum(int(stats[i]["frames"]) for i in sup.slots)
+        storage = self.layout.storage
+        return (f"{running}/{sup.count} workers running, {frames} frames, "
+                f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
+
+
+def _with_live(old, new, applied: list[str]):
+    """``old`` with only the live-applied keys taken from ``new``."""
+    import dataclasses
+
+    result = old
+    for dotted in applied:
+        section, key = dotted.split(".", 1)
+        part = dataclasses.replace(getattr(result, section), **{key: getattr(getattr(new, section), key)})
+        result = dataclasses.replace(result, **{section: part})
+    return result

@@ -1,0 +1,87 @@
+"""The process layout, declared in one place: which shared objects exist,
+where they live, and what each worker process is handed."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ingestd.collect.rollout import Rollout
+from ingestd.collect.stats import StatsBlock
+from ingestd.collect.worker import WorkerSpec, build_env_and_policy
+from ingestd.replay.storage import ReplayStorage
+
+log = logging.getLogger("ingestd.daemon")
+
+
+@dataclass
+class Layout:
+    """The daemon's handles on the shared objects its workers use."""
+
+    config: object  # ingestd.service.config.Config
+    paths: object  # ingestd.service.config.ResolvedPaths
+    storage: ReplayStorage
+    stats: StatsBlock
+    weights: object | None  # ingestd.weights.store.WeightStore
+    manifest: object | None  # ingestd.weights.wire.Manifest
+    policy: torch.nn.Module | None  # the daemon's copy, for validating pushes
+
+    def worker_spec(self, index: int) -> WorkerSpec:
+        w = self.config.workers
+        return WorkerSpec(
+            index=index, replay_path=str(self.paths.replay), stats_path=str(self.paths.stats),
+            weights_path=str(self.paths.weights), env=w.env, policy=w.policy, num_envs=w.num_envs,
+            chunk_steps=w.chunk_steps, seed=self.config.service.seed, threads=worker_threads(w.threads, w.count),
+            device=w.device, env_kwargs=dict(w.env_kwargs), policy_kwargs=dict(w.policy_kwargs))
+
+    def close(self) -> None:
+        self.storage.close()
+        self.stats.close()
+        if self.weights is not None:
+            self.weights.close()
+
+
+def worker_threads(configured: int, workers: int, cores: int | None = None) -> int:
+    """Intra-op threads per worker: as configured, else the cores shared out (at least 1)."""
+    if configured > 0:
+        return configured
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, workers))
+
+
+def build_layout(config, paths) -> Layout:
+    """Create (or reopen) every shared object before any worker exists."""
+    for directory in (paths.data_dir, paths.runtime_dir):
+        Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
+    probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
+    example, policy = _example_rows(probe, config.service.seed)
+    storage = ReplayStorage.open_or_create(paths.replay, example, config.replay.capacity, recover=True)
+    stats = StatsBlock(paths.stats, create=True)
+    weights = manifest = None
+    if isinstance(policy, torch.nn.Module) and policy.state_dict():
+        from ingestd.weights.store import WeightStore
+        from ingestd.weights.wire import manifest_of
+
+        state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+        manifest = manifest_of(state)
+        weights = WeightStore.create(paths.weights, manifest)
+        weights.publish(state)  # version 1: the initial weights every worker starts from
+    else:
+        policy = None
+    log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
+             storage.write_count)
+    return Layout(config, paths, storage, stats, weights, manifest, policy)
+
+
+def _example_rows(spec: WorkerSpec, seed: int):
+    """One real transition from the configured env and policy: the storage schema."""
+    torch.manual_seed(seed)
+    env, policy = build_env_and_policy(spec, seed, episode_base=0, num_envs=1)
+    try:
+        rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0)
+    finally:
+        env.close()
+    return rows, policy

@@ -1,0 +1,208 @@
+"""Spawns workers, watches exit codes and heartbeats, restarts with backoff.
+
+Runs in the daemon's main thread (workers are forked from it, and their
+``PDEATHSIG`` is tied to it). A worker that dies is restarted after an
+exponential backoff; one that keeps dying without writing a single chunk
+(``restart_budget`` times in a row) is marked ``failed`` and left alone
+while the others keep collecting.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ingestd.collect.stats import MAX_WORKERS, Desired, State, StatsBlock
+from ingestd.collect.worker import WorkerSpec, worker_main
+
+log = logging.getLogger("ingestd.supervisor")
+EventSink = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    heartbeat_timeout_s: float = 5.0
+    backoff_s: float = 0.1
+    backoff_max_s: float = 2.0
+    budget: int = 5
+
+    def backoff(self, failures: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
+
+
+@dataclass
+class Slot:
+    spec: WorkerSpec
+    process: mp.process.BaseProcess | None = None
+    failures: int = 0  # consecutive deaths without progress
+    start_at: float | None = None  # pending (re)start time
+    retiring: bool = False  # asked to stop for good (scale down)
+    restarting: bool = False  # asked to stop, then start again (restart command)
+
+
+class Supervisor:
+    def __init__(self, make_spec: Callable[[int], WorkerSpec], stats: StatsBlock, policy: RestartPolicy,
+                 on_event: EventSink = lambda kind, **f: None, clock: Callable[[], float] = time.monotonic):
+        self._make_spec, self.stats, self.policy = make_spec, stats, policy
+        self._on_event, self._clock = on_event, clock
+        self._ctx = mp.get_context("fork")
+        self.slots: dict[int, Slot] = {}
+        self.desired = Desired.RUN
+
+    # -- commands (main thread) -------------------------------------------------
+    def scale(self, count: int) -> None:
+        if not 0 <= count <= MAX_WORKERS:
+            raise ValueError(f"worker count must be within 0..{MAX_WORKERS}, got {count}")
+        for index in range(count):
+            slot = self.slots.get(index)
+            if slot is None:
+                self.slots[index] = Slot(self._make_spec(index), start_at=self._clock())
+                self.stats[index]["restarts"] = 0
+                self.stats[index]["desired"] = self.desired
+            elif slot.retiring:
+                slot.retiring = False
+        for index, slot in self.slots.items():
+            if index >= count and not slot.retiring:
+                slot.retiring = True
+                self.stats[index]["desired"] = Desired.STOP
+                slot.start_at = None
+
+    def restart(self, indices: list[int] | None = None) -> list[int]:
+        chosen = sorted(self.slots) if indices is None else indices
+        unknown = [i for i in chosen if i not in self.slots or self.slots[i].retiring]
+        if unknown:
+            raise KeyError(f"no such worker(s) {unknown}; workers are {sorted(self.slots)}")
+        for index in chosen:
+            slot = self.slots[index]
+            slot.failures = 0
+            if self.stats.state(index) == State.FAILED or not self._alive(slot):
+                slot.start_at = self._clock()
+            else:
+                slot.restarting = True
+                self.stats[index]["desired"] = Desired.STOP
+        return chosen
+
+    def set_desired(self, desired: Desired) -> None:
+        self.desired = desired
+        for index, slot in self.slots.items():
+            if not (slot.retiring or slot.restarting):
+                self.stats[index]["desired"] = desired
+
+    @property
+    def count(self) -> int:
+        return sum(1 for s in self.slots.values() if not s.retiring)
+
+    def live(self) -> list[int]:
+        """Workers whose process is alive and not on its way out."""
+        return [i for i, s in self.slots.items() if self._alive(s) and not s.retiring]
+
+    # -- the watch loop ----------------------------------------------------------
+    def tick(self) -> None:
+        now = self._clock()
+        for index in list(self.slots):
+            slot = self.slots[index]
+            if slot.process is not None and not slot.process.is_alive():
+                self._reap(index, slot, now)
+            elif slot.process is not None:
+                self._check_heartbeat(index, slot, now)
+            if slot.start_at is not None and now >= slot.start_at and slot.process is None:
+                self._start(index, slot)
+            if slot.retiring and slot.process is None:
+                del self.slots[index]
+                self.stats[index]["state"] = State.EMPTY
+
+    def _start(self, index: int, slot: Slot) -> None:
+        slot.start_at = None
+        self.stats.reset(index)
+        self.stats[index]["desired"] = self.desired
+        self.stats[index]["state"] = State.STARTING
+        slot.process = self._ctx.Process(target=worker_main, args=(slot.spec,), name=f"ingestd-worker-{index}",
+                                         daemon=False)
+        slot.process.start()
+        self.stats[index]["pid"] = slot.process.pid
+        self._on_event("worker.started", worker=index, pid=slot.process.pid,
+                       restarts=int(self.stats[index]["restarts"]))
+
+    def _reap(self, index: int, slot: Slot, now: float) -> None:
+        code = slot.process.exitcode
+        slot.process.join(0)
+        slot.process.close()
+        slot.process = None
+        rec = self.stats[index]
+        if slot.retiring:
+            rec["state"] = State.STOPPED
+            return
+        if slot.restarting:
+            slot.restarting = False
+            rec["restarts"] += 1
+            slot.start_at = now
+            self._on_event("worker.restarted", worker=index, reason="requested")
+            return
+        slot.failures = 1 if rec["chunks"] > 0 else slot.failures + 1
+        error = self.stats.error(index) or f"exit code {code}"
+        log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
+        self._on_event("worker.died", worker=index, exitcode=code, error=error)
+        if slot.failures >= self.policy.budget:
+            rec["state"] = State.FAILED
+            log.error("worker %d failed %d times in a row without writing; marked failed: %s",
+                      index, slot.failures, error)
+            self._on_event("worker.failed", worker=index, error=error)
+            return
+        rec["restarts"] += 1
+        slot.start_at = now + self.policy.backoff(slot.failures)
+        self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.failures))
+
+    def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
+        age = now - float(self.stats[index]["heartbeat"])
+        if age > self.policy.heartbeat_timeout_s:
+            log.warning("worker %d (pid %d) missed its heartbeat for %.1f s; killing it",
+                        index, slot.process.pid, age)
+            self.stats.set_error(index, f"hung: no heartbeat for {age:.1f} s")
+            self._on_event("worker.hung", worker=index, heartbeat_age_s=round(age, 3))
+            _kill(slot.process.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _alive(slot: Slot) -> bool:
+        return slot.process is not None and slot.process.is_alive()
+
+    # -- shutdown -------------------------------------------------------------------
+    def stop_all(self, timeout: float) -> bool:
+        """stop → join → terminate → kill under one deadline; True if all exited cleanly."""
+        deadline = self._clock() + timeout
+        for index, slot in self.slots.items():
+            self.stats[index]["desired"] = Desired.STOP
+            slot.start_at = None
+        procs = [s.process for s in self.slots.values() if s.process is not None]
+        clean = _join_all(procs, deadline - 0.3 * timeout, self._clock)
+        for proc in procs:
+            if proc.is_alive():
+                _kill(proc.pid, signal.SIGTERM)
+        _join_all(procs, deadline - 0.1 * timeout, self._clock)
+        for proc in procs:
+            if proc.is_alive():
+                _kill(proc.pid, signal.SIGKILL)
+                proc.join(1.0)
+        for index, slot in self.slots.items():
+            if slot.process is not None:
+                slot.process.close()
+                slot.process = None
+                if self.stats.state(index) != State.FAILED:
+                    self.stats[index]["state"] = State.STOPPED
+        return clean
+
+
+def _join_all(procs, deadline: float, clock) -> bool:
+    for proc in procs:
+        proc.join(max(0.0, deadline - clock()))
+    return all(not p.is_alive() for p in procs)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

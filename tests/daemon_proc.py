@@ -1,0 +1,191 @@
+"""A real ``ingestd run`` in a subprocess, for end-to-end tests.
+
+Every directory lives under /dev/shm (short paths for ipc:// sockets) and
+is removed on close; every process the daemon started is found through
+/proc and killed by PID if it outlives the daemon.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (via /proc/*/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            todo.extend(kids)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class DaemonProc:
+    """``with DaemonProc(overrides={...}) as d: d.wait_ready()``."""
+
+    def __init__(self, overrides: dict | None = None, config_text: str = "", notify: bool = False,
+                 env: dict | None = None):
+        self.root = Path(tempfile.mkdtemp(prefix="ingestd-t-", dir="/dev/shm"))
+        self.data_dir, self.runtime_dir = self.root / "data", self.root / "run"
+        self.metrics_port = free_port()
+        settings = {"service.data_dir": str(self.data_dir), "service.runtime_dir": str(self.runtime_dir),
+                    "metrics.port": self.metrics_port, "workers.num_envs": 8, "workers.chunk_steps": 8,
+                    "replay.capacity": 100_000}
+        settings.update(overrides or {})
+        self.overrides = settings
+        self.config_path = self.root / "ingestd.toml"
+        self.config_path.write_text(config_text)
+        self.log_path = self.root / "daemon.log"
+        self.notify_sock = None
+        self.extra_env = dict(env or {})
+        if notify:
+            self.notify_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.notify_sock.bind(str(self.root / "notify.sock"))
+            self.notify_sock.settimeout(0.1)
+        self.messages: list[str] = []
+        self.proc: subprocess.Popen | None = None
+        self.known_children: set[int] = set()
+
+    # -- paths ------------------------------------------------------------------------
+    @property
+    def replay_path(self) -> Path:
+        return Path(self.overrides.get("replay.path") or self.data_dir / "replay")
+
+    @property
+    def control_address(self) -> str:
+        return self.overrides.get("control.address") or f"ipc://{self.runtime_dir}/control.sock"
+
+    def args(self) -> list[str]:
+        args = [sys.executable, "-m", "ingestd.service.cli", "run", "--config", str(self.config_path)]
+        for key, value in self.overrides.items():
+            args += ["--set", f"{key}={_toml(value)}"]
+        return args
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> "DaemonProc":
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        if self.notify_sock is not None:
+            env["NOTIFY_SOCKET"] = str(self.root / "notify.sock")
+        env.update(self.extra_env)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def __enter__(self) -> "DaemonProc":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def recv_notify(self, timeout: float) -> list[str]:
+        """Collect sd_notify messages for up to ``timeout`` seconds (all so far are in .messages)."""
+        deadline = time.monotonic() + timeout
+        got = []
+        while time.monotonic() < deadline:
+            try:
+                got.append(self.notify_sock.recv(4096).decode())
+            except socket.timeout:
+                continue
+        self.messages.extend(got)
+        return got
+
+    def wait_notify(self, needle: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in self.recv_notify(0.1):
+                if needle in msg:
+                    return msg
+            self._check_alive()
+        raise TimeoutError(f"no sd_notify message containing {needle!r} in {timeout} s; log:\n{self.log()}")
+
+    def wait_ready(self, timeout: float = 60.0, rows: int = 1) -> None:
+        """Until the replay holds ``rows`` committed rows."""
+        from ingestd.replay import ReplayReader
+
+        deadline = time.monotonic() + timeout
+        reader = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            self.remember_children()
+            if reader is None and (self.replay_path / "meta.json").exists():
+                try:
+                    reader = ReplayReader(self.replay_path)
+                except Exception:
+                    reader = None
+            if reader is not None and reader.write_count >= rows:
+                reader.close()
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon wrote fewer than {rows} rows in {timeout} s; log:\n{self.log()}")
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {self.proc.returncode}; log:\n{self.log()}")
+
+    def remember_children(self) -> set[int]:
+        if self.proc is not None and self.proc.poll() is None:
+            self.known_children.update(descendants(self.proc.pid))
+        return self.known_children
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        self.remember_children()
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.remember_children()
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            for pid in self.known_children:
+                if pid_alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self._log.close()
+        if self.notify_sock is not None:
+            self.notify_sock.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
