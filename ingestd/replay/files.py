@@ -2,11 +2,16 @@
 
 ::
 
-    <path>/meta.json          format, version, capacity, schema (written last)
-    <path>/header.bin         int64 words: magic, version, capacity, write_count,
-                              incarnations, reserved..., then one seq per slot
-    <path>/lock               flock target for slot reservation
-    <path>/leaves/<key>.bin   one memmap per leaf, leading dimension = capacity
+    <path>/meta.json     format, version, capacity, schema, layout (written last)
+    <path>/header.bin    int64 words: magic, version, capacity, write_count,
+                         incarnations, reserved..., then one seq per slot
+    <path>/lock          flock target for slot reservation; its byte range
+                         ``[slot, slot+1)`` is write-locked (OFD lock) while a
+                         writer fills that slot
+    <path>/data.bin      the rows: small leaves interleaved as one fixed-size
+                         *record* per slot (so a sampled row costs one or two
+                         cache misses, not one per leaf), then one page-aligned
+                         ``(capacity, *shape)`` *column* per large leaf (images)
 
 A slot's sequence number is the seqlock *and* the sentinel: ``0`` never
 written (or cleared by recovery), ``2*w+1`` being written as write index
@@ -14,28 +19,79 @@ written (or cleared by recovery), ``2*w+1`` being written as write index
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
+import struct
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ingestd.errors import CorruptStorage, StorageNotFound
-from ingestd.replay.layout import Key, Leaf, leaf_name, numpy_dtype, schema_from_json, schema_to_json
+from ingestd.replay.layout import Key, Leaf, dtype_name, leaf_name, numpy_dtype, schema_from_json, schema_to_json
 
 FORMAT = "ingestd-replay"
-VERSION = 1
+VERSION = 2
 MAGIC = 0x494E47455354_0001  # "INGEST" + 1
 
 HEADER_WORDS = 64
 H_MAGIC, H_VERSION, H_CAPACITY, H_WRITE_COUNT, H_INCARNATIONS = 0, 1, 2, 3, 4
+ALIGN = 4096
+LARGE_ROW_BYTES = 2048  # a leaf with at least this many bytes per row gets its own column
+CREATION_FILES = frozenset({"lock", "header.bin", "data.bin", "meta.json.tmp"})
 
 
 def header_bytes(capacity: int) -> int:
     return 8 * (HEADER_WORDS + capacity)
+
+
+def group_of(leaf: Leaf) -> tuple[str, tuple[int, ...]]:
+    """Leaves with the same group lie side by side in the record and are gathered together."""
+    return dtype_name(leaf.dtype), leaf.shape
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each leaf lives in ``data.bin`` (a pure function of schema and capacity)."""
+
+    record_bytes: int  # bytes per slot in the record area at offset 0
+    fields: dict[Key, int]  # small leaf -> byte offset inside a record
+    columns: dict[Key, int]  # large leaf -> byte offset of its column in data.bin
+    data_bytes: int
+
+    def to_json(self) -> dict:
+        return {"record_bytes": self.record_bytes, "data_bytes": self.data_bytes,
+                "fields": {leaf_name(k): o for k, o in self.fields.items()},
+                "columns": {leaf_name(k): o for k, o in self.columns.items()}}
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def plan_layout(schema: dict[Key, Leaf], capacity: int) -> Layout:
+    """Fields ordered by falling item size (so no padding), equal groups side by side; the
+    record padded to a power of two up to 64 bytes, else to whole cache lines."""
+    def itemsize(key: Key) -> int:
+        return torch.empty((), dtype=schema[key].dtype).element_size()
+
+    small = [k for k in schema if schema[k].row_bytes < LARGE_ROW_BYTES]
+    fields: dict[Key, int] = {}
+    pos = 0
+    for key in sorted(small, key=lambda k: (-itemsize(k), group_of(schema[k]), k)):
+        fields[key] = pos = _round_up(pos, itemsize(key))
+        pos += schema[key].row_bytes
+    record = 0 if pos == 0 else max(8, 1 << (pos - 1).bit_length()) if pos <= 64 else _round_up(pos, 64)
+    end = _round_up(capacity * record, ALIGN)
+    columns: dict[Key, int] = {}
+    for key in sorted(k for k in schema if k not in fields):
+        columns[key] = end
+        end += _round_up(capacity * schema[key].row_bytes, ALIGN)
+    return Layout(record, fields, columns, end)
 
 
 def read_meta(path: Path) -> dict:
@@ -55,40 +111,40 @@ def read_meta(path: Path) -> dict:
         meta["capacity"] = int(meta["capacity"])
         if meta["capacity"] <= 0:
             raise ValueError("capacity must be positive")
-        meta["schema"] = schema_from_json(meta["schema"])
-    except (ValueError, KeyError, TypeError) as exc:
+        meta["schema"] = schema = schema_from_json(meta["schema"])
+        if any(d < 0 for leaf in schema.values() for d in leaf.shape):
+            raise ValueError("a leaf has a negative dimension")
+        layout = plan_layout(schema, meta["capacity"])
+        if meta["layout"] != layout.to_json():
+            raise ValueError("the leaf layout does not match the schema")
+        meta["layout"] = layout
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptStorage(f"{meta_path}: unreadable metadata ({exc}); "
                              "restore it from a backup or move the directory away") from None
     return meta
 
 
 def write_meta(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
-    meta = {"format": FORMAT, "version": VERSION, "capacity": capacity, "schema": schema_to_json(schema)}
+    meta = {"format": FORMAT, "version": VERSION, "capacity": capacity, "schema": schema_to_json(schema),
+            "layout": plan_layout(schema, capacity).to_json()}
     tmp = path / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
     os.replace(tmp, path / "meta.json")
 
 
-def leaf_path(path: Path, key: Key) -> Path:
-    return path / "leaves" / f"{leaf_name(key)}.bin"
-
-
 def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
-    """Create sparse files for the header and every leaf (meta.json comes last)."""
-    (path / "leaves").mkdir(parents=True, exist_ok=True)
-    (path / "lock").touch()
+    """Create sparse files for the header and the data (meta.json comes last)."""
     with open(path / "header.bin", "wb") as f:
         f.truncate(header_bytes(capacity))
     header = np.memmap(path / "header.bin", dtype=np.int64, mode="r+", shape=(HEADER_WORDS + capacity,))
     header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
     header.flush()
     del header
-    for key, leaf in schema.items():
-        with open(leaf_path(path, key), "wb") as f:
-            f.truncate(capacity * leaf.row_bytes)
+    with open(path / "data.bin", "wb") as f:
+        f.truncate(plan_layout(schema, capacity).data_bytes)
 
 
-def _map(file: Path, size: int, writable: bool) -> mmap.mmap:
+def map_file(file: Path, size: int, writable: bool) -> mmap.mmap | None:
     try:
         fd = os.open(file, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
@@ -98,30 +154,75 @@ def _map(file: Path, size: int, writable: bool) -> mmap.mmap:
         if actual != size:
             raise CorruptStorage(f"{file} has {actual} bytes, expected {size}; the storage is damaged")
         if size == 0:
-            return None  # type: ignore[return-value]
+            return None
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
     finally:
         os.close(fd)
 
 
-def map_tensor(file: Path, leaf: Leaf, capacity: int, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
-    """Map a leaf file as a tensor of shape ``(capacity, *leaf.shape)`` sharing the pages."""
-    size = capacity * leaf.row_bytes
-    mm = _map(file, size, writable)
-    shape = (capacity, *leaf.shape)
-    if mm is None:
-        return None, torch.empty(shape, dtype=leaf.dtype)
-    arr = np.frombuffer(mm, dtype=numpy_dtype(leaf.dtype)).reshape(shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only mapping; we never write through it
-        return mm, torch.from_numpy(arr)
-
-
 def map_header(path: Path, capacity: int, writable: bool) -> tuple[mmap.mmap, np.ndarray]:
     file = path / "header.bin"
-    mm = _map(file, header_bytes(capacity), writable)
+    mm = map_file(file, header_bytes(capacity), writable)
     header = np.frombuffer(mm, dtype=np.int64)
     if header[H_MAGIC] != MAGIC or header[H_CAPACITY] != capacity:
+        del header
+        mm.close()
         raise CorruptStorage(f"{file}: bad magic or capacity; the header does not belong to this storage")
     return mm, header
+
+
+def leaf_arrays(buffer, schema: dict[Key, Leaf], layout: Layout, capacity: int) -> dict[Key, np.ndarray]:
+    """``(capacity, *shape)`` numpy views of every leaf inside the mapped ``data.bin``
+    (strided through the records for small leaves, contiguous for columns)."""
+    out = {}
+    for key, leaf in schema.items():
+        dtype = numpy_dtype(leaf.dtype)
+        inner: list[int] = []
+        step = dtype.itemsize
+        for dim in reversed(leaf.shape):
+            inner.insert(0, step)
+            step *= dim
+        if key in layout.fields:
+            offset, strides = layout.fields[key], (layout.record_bytes, *inner)
+        else:
+            offset, strides = layout.columns[key], (leaf.row_bytes, *inner)
+        out[key] = np.ndarray((capacity, *leaf.shape), dtype, buffer, offset, strides)
+    return out
+
+
+def record_array(buffer, layout: Layout, capacity: int) -> np.ndarray:
+    """The record area as ``capacity`` opaque items of ``record_bytes`` (one fancy-index gathers rows)."""
+    return np.ndarray((capacity,), np.dtype(f"V{layout.record_bytes}"), buffer, 0)
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``array``'s pages (read-only mappings included; we never write through them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+# -- per-slot write locks ------------------------------------------------------
+# Open-file-description locks: owned by one open() of the lock file (so two
+# handles in one process exclude each other) and dropped by the kernel when
+# the holder dies. ``struct flock`` on Linux: short, short, off_t, off_t, pid_t.
+_FLOCK = struct.Struct("hhqqi4x")
+_SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
+_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
+_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
+
+
+def lock_slots(fd: int, first: int, count: int) -> None:
+    """Write-lock slots ``[first, first+count)``, waiting for a writer still filling them."""
+    fcntl.fcntl(fd, _SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))
+
+
+def unlock_slots(fd: int, first: int, count: int) -> None:
+    fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, first, count, 0))
+
+
+def slots_locked(fd: int, first: int, count: int) -> bool:
+    """Whether another handle (a live writer) holds a lock on any of the slots."""
+    res = fcntl.fcntl(fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))
+    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK

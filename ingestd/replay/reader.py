@@ -1,35 +1,93 @@
 """``ReplayReader``: attach to a storage by path, read-only, and sample from it.
 
-No lock is taken. Each drawn row's sequence number is read before and after
+No lock is taken. Every drawn row's sequence number is read before and after
 the copy; rows that were never written, are being written, or changed during
 the copy are re-drawn, so a sample never holds a torn row.
+
+The hot path is built for many small leaves: the rows' records are gathered
+with one fancy index (a row is one or two cache lines), then each group of
+leaves with equal dtype and shape is transposed into a contiguous
+``(leaves, n, *shape)`` array by one precomputed index and split into
+per-leaf tensors by one ``unbind``. Large leaves (images) are gathered by
+``torch.index_select``, which copies rows on torch's intra-op threads. The
+nested TensorDict is put together from a key plan made once.
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.replay import files
+from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
 
-_REDRAW_ROUNDS = 64
+_REDRAW_ROUNDS = 64  # rejection rounds over [0, len) before scanning for committed slots
+_MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
 _POLL_S = 0.002
+_POOL = 1 << 16  # random draws made at once
+_PERM_CACHE = 8  # batch sizes whose transposition indices are kept
 
 
 class ReplayReader(MappedStore):
-    """Read-only view of a replay storage. Safe to use while workers write."""
+    """Read-only view of a replay storage. Safe to use while workers write.
+
+    One reader per thread: a reader keeps its own random state."""
 
     def __init__(self, path: str | os.PathLike, seed: int | None = None):
         super().__init__(path, writable=False)
         self._rng = np.random.default_rng(seed)
-        self._keys = list(self.leaves)
+        self._pool = np.empty(0, dtype=np.int64)
+        self._pos = 0
+        self._records = files.record_array(self._data, self._layout, self.capacity)
+        self._groups = self._plan_groups()
+        self._columns = [self.leaves[k] for k in self._layout.columns]
+        order = [k for _, keys, _ in self._groups for k in keys] + list(self._layout.columns)
+        self._nodes = _plan_nodes(order)
+        self._perms: dict[int, list] = {}
+        self._new_td = _td_factory()
 
+    def _plan_groups(self) -> list[tuple[np.dtype, list, int]]:
+        """``(numpy dtype, keys, first field offset)`` for runs of equal leaves in the record."""
+        groups: list[tuple[np.dtype, list, int]] = []
+        fields = self._layout.fields
+        for key in sorted(fields, key=fields.__getitem__):
+            leaf = self.schema[key]
+            if groups:
+                dtype, keys, first = groups[-1]
+                prev = self.schema[keys[-1]]
+                if files.group_of(prev) == files.group_of(leaf) and fields[key] == fields[keys[-1]] + prev.row_bytes:
+                    keys.append(key)
+                    continue
+            groups.append((numpy_dtype(leaf.dtype), [key], fields[key]))
+        return groups
+
+    def _transposers(self, n: int) -> list[tuple[np.dtype, np.ndarray]]:
+        """For each group, the element indices into ``n`` gathered records (viewed as the
+        group's dtype) that give a C-contiguous ``(leaves, n, *shape)`` array."""
+        perms = self._perms.get(n)
+        if perms is None:
+            if len(self._perms) >= _PERM_CACHE:
+                self._perms.clear()
+            perms = []
+            for dtype, keys, first in self._groups:
+                leaf = self.schema[keys[0]]
+                size, per_row = dtype.itemsize, max(leaf.row_bytes // dtype.itemsize, 0)
+                index = (first // size + np.arange(len(keys))[:, None, None] * per_row
+                         + np.arange(n)[None, :, None] * (self._layout.record_bytes // size)
+                         + np.arange(per_row)[None, None, :])
+                perms.append((dtype, index.reshape(len(keys), n, *leaf.shape)))
+            self._perms[n] = perms
+        return perms
+
+    # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, timeout: float | None = None) -> TensorDict:
-        """Uniform sample of committed rows, shape ``[batch_size]``.
+        """Uniform sample of committed rows, shape ``[batch_size]``; the caller owns it.
 
         Without ``timeout`` this never blocks: an empty storage raises ``EmptyReplay``.
         With ``timeout`` (seconds) it waits for data and raises ``SampleTimeout``."""
@@ -37,9 +95,9 @@ class ReplayReader(MappedStore):
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            index = self._draw_valid(batch_size)
-            if index is not None:
-                return self.gather(index)
+            out = self._sample(batch_size)
+            if out is not None:
+                return out
             if deadline is None:
                 raise EmptyReplay(f"replay {self.path} has no committed rows yet; "
                                   "wait for the workers, or pass timeout= to block")
@@ -47,47 +105,127 @@ class ReplayReader(MappedStore):
                 raise SampleTimeout(f"no committed rows in replay {self.path} after {timeout} s")
             time.sleep(_POLL_S)
 
-    def _draw_valid(self, n: int) -> np.ndarray | None:
-        """Slot indices of ``n`` committed rows, or None if none can be found."""
-        self._check_open()
+    def _sample(self, n: int) -> TensorDict | None:
         filled = len(self)
         if filled == 0:
             return None
-        index = self._rng.integers(0, filled, size=n)
-        for _ in range(_REDRAW_ROUNDS):
-            seq = self.seq[index]
-            bad = (seq <= 0) | (seq & 1 == 1)
-            if not bad.any():
-                return index
-            index[bad] = self._rng.integers(0, filled, size=int(bad.sum()))
-        return None
+        records, columns, bad = self._copy(self._draw(n, filled))
+        if bad is not None and not self._redraw(records, columns, bad, filled):
+            return None
+        return self._assemble(records, columns, n)
 
-    def gather(self, index: np.ndarray) -> TensorDict:
-        """Copy the rows at slot ``index``; rows that changed meanwhile are re-drawn."""
-        idx = torch.from_numpy(index)
-        before = self.seq[index]
-        out = {key: torch.index_select(self.leaves[key], 0, idx) for key in self._keys}
-        after = self.seq[index]
-        changed = np.flatnonzero(before != after)
-        if changed.size:
-            self._replace(out, changed)
-        return _nest(out, len(index))
+    def gather(self, index) -> TensorDict:
+        """Copy the rows at slots ``index``; slots that are not committed, or change during
+        the copy, are replaced by uniform draws of committed rows."""
+        self._check_open()
+        idx = np.array(index, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            raise IndexError(f"slot indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
+        records, columns, bad = self._copy(idx)
+        if bad is not None and not self._redraw(records, columns, bad, max(len(self), 1)):
+            raise EmptyReplay(f"replay {self.path} has no committed rows to stand in for uncommitted slots")
+        return self._assemble(records, columns, idx.size)
 
-    def _replace(self, out: dict, positions: np.ndarray) -> None:
-        fresh = self._draw_valid(positions.size)
-        if fresh is None:
-            raise SampleTimeout(f"replay {self.path}: rows kept changing under the reader")
-        redo = self.gather(fresh)
-        pos = torch.from_numpy(positions)
-        for key in self._keys:
-            out[key][pos] = redo.get(key)
+    def _draw(self, n: int, bound: int) -> np.ndarray:
+        """``n`` uniform slot numbers in ``[0, bound)`` (from a pool drawn in bulk)."""
+        pos = self._pos
+        if pos + n > self._pool.size:
+            if 4 * n > _POOL:
+                return self._rng.integers(0, bound, size=n)
+            self._pool = self._rng.integers(0, 1 << 62, size=_POOL, dtype=np.int64)
+            pos = 0
+        self._pos = pos + n
+        return self._pool[pos:pos + n] % bound  # modulo bias < bound / 2**62
+
+    def _copy(self, idx: np.ndarray) -> tuple[np.ndarray, list, np.ndarray | None]:
+        """Copy rows ``idx`` between two reads of their seqs: (records, columns, positions
+        whose rows are not valid, or None)."""
+        seq = self.seq
+        before = seq[idx]
+        records = self._records[idx]
+        columns = []
+        if self._columns:
+            tidx = torch.from_numpy(idx)
+            columns = [torch.index_select(column, 0, tidx) for column in self._columns]
+        after = seq[idx]
+        # valid = committed (even, non-zero) and not touched by a writer meanwhile
+        if np.array_equal(before, after) and before.all() and not (before & 1).any():
+            return records, columns, None
+        return records, columns, np.flatnonzero((before != after) | (before == 0) | ((before & 1) != 0))
+
+    def _redraw(self, records: np.ndarray, columns: list, bad: np.ndarray, filled: int) -> bool:
+        """Replace the rows at positions ``bad`` by fresh committed ones; False if there are none."""
+        for rounds in range(_MAX_ROUNDS):
+            if rounds < _REDRAW_ROUNDS:
+                fresh = self._draw(bad.size, filled)
+            else:  # mostly empty slots (after a crash): draw from the committed ones directly
+                seq = self.seq[:filled]
+                committed = np.flatnonzero((seq > 0) & ((seq & 1) == 0))
+                if committed.size == 0:
+                    return False
+                fresh = committed[self._draw(bad.size, committed.size)]
+            sub_records, sub_columns, sub_bad = self._copy(fresh)
+            records[bad] = sub_records
+            tbad = torch.from_numpy(bad)
+            for column, sub in zip(columns, sub_columns):
+                column[tbad] = sub
+            if sub_bad is None:
+                return True
+            bad = bad[sub_bad]
+        raise SampleTimeout(f"replay {self.path}: rows kept changing under the reader "
+                            f"(capacity {self.capacity} is too small for the write rate?)")
+
+    def _assemble(self, records: np.ndarray, columns: list, n: int) -> TensorDict:
+        flat: list[torch.Tensor] = []
+        for dtype, perm in self._transposers(n):
+            flat.extend(torch.from_numpy(records.view(dtype)[perm]).unbind(0))
+        flat.extend(columns)
+        batch = torch.Size([n])
+        built: list[TensorDict] = []
+        new_td = self._new_td
+        for leaves, children in self._nodes:
+            node = {name: flat[i] for name, i in leaves}
+            for name, j in children:
+                node[name] = built[j]
+            built.append(new_td(node, batch))
+        return built[-1]
+
+    def close(self) -> None:
+        self._records = None
+        self._columns = []
+        super().close()
 
 
-def _nest(flat: dict, n: int) -> TensorDict:
-    nested: dict = {}
-    for key, value in flat.items():
-        node = nested
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
-    return TensorDict(nested, batch_size=[n])
+def _plan_nodes(order: list) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:
+    """How to build the nested TensorDict from the flat leaves (in ``order``), deepest node
+    first: for each node, its ``(name, leaf position)`` and ``(name, built node)`` entries."""
+    prefixes = {k[:d] for k in order for d in range(len(k))}
+    nodes = sorted(prefixes, key=lambda p: (-len(p), p))
+    number = {p: i for i, p in enumerate(nodes)}
+    plan = []
+    for prefix in nodes:
+        leaves = [(k[-1], i) for i, k in enumerate(order) if k[:-1] == prefix]
+        children = [(p[-1], number[p]) for p in nodes if len(p) == len(prefix) + 1 and p[:-1] == prefix]
+        plan.append((leaves, children))
+    return plan
+
+
+def _td_factory() -> Callable[[dict, torch.Size], TensorDict]:
+    """TensorDict's unchecked constructor when this tensordict has it, else the public one.
+
+    Safe here: every leaf is a CPU tensor with leading dimension ``n`` and every child was
+    built with the same batch size."""
+    def public(node: dict, batch: torch.Size) -> TensorDict:
+        return TensorDict(node, batch_size=batch)
+
+    def fast(node: dict, batch: torch.Size) -> TensorDict:
+        return TensorDict._new_unsafe(source=node, batch_size=batch, nested=False)
+
+    try:
+        probe = fast({"a": torch.zeros(2), "b": fast({"c": torch.ones(2, 1)}, torch.Size([2]))}, torch.Size([2]))
+        if (probe.batch_size == torch.Size([2]) and probe["b", "c"].shape == (2, 1)
+                and set(probe.keys(True, True)) == {"a", ("b", "c")}):
+            return fast
+    except Exception:  # noqa: BLE001 - a tensordict without the private fast path
+        pass
+    return public

@@ -1,23 +1,27 @@
 """The shared replay storage: a memmapped ring any process can write into.
 
-Writers reserve a contiguous range of write indices under an ``flock`` (the
-kernel drops it if the holder dies), mark the slots odd, copy, and mark them
-even. Readers (``ReplayReader``) never lock: they check each row's sequence
-number before and after copying and re-draw rows that changed.
+Writers reserve a contiguous range of write indices under an ``flock``, take
+a per-slot lock on that range (both dropped by the kernel if the holder
+dies), mark the slots odd, copy, mark them even and release the slots. The
+slot lock makes a writer that laps the ring wait for a slow writer still
+filling a slot, instead of writing under it. Readers (``ReplayReader``)
+never lock: they check each row's sequence number before and after copying
+and re-draw rows that were not committed or changed.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
-from ingestd.errors import ClosedError, SchemaMismatch
+from ingestd.errors import ClosedError, CorruptStorage, SchemaMismatch
 from ingestd.replay import files
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
 
@@ -49,16 +53,23 @@ class MappedStore:
         meta = files.read_meta(self.path)
         self.capacity: int = meta["capacity"]
         self.schema: dict[Key, Leaf] = meta["schema"]
-        self._maps = []
-        mm, self._header = files.map_header(self.path, self.capacity, writable)
-        self._maps.append(mm)
-        self.seq = self._header[files.HEADER_WORDS:]
-        self.leaves: dict[Key, torch.Tensor] = {}
-        for key, leaf in self.schema.items():
-            mm, tensor = files.map_tensor(files.leaf_path(self.path, key), leaf, self.capacity, writable)
+        self._layout: files.Layout = meta["layout"]
+        self._maps: list = []
+        self._closed = True
+        try:
+            mm, self._header = files.map_header(self.path, self.capacity, writable)
             self._maps.append(mm)
-            self.leaves[key] = tensor
+            mm = files.map_file(self.path / "data.bin", self._layout.data_bytes, writable)
+            self._maps.append(mm)
+        except BaseException:
+            self._header = None
+            self._unmap()
+            raise
         self._closed = False
+        self.seq = self._header[files.HEADER_WORDS:]
+        self._data = mm
+        self._arrays = files.leaf_arrays(mm, self.schema, self._layout, self.capacity)
+        self.leaves: dict[Key, torch.Tensor] = {k: files.as_tensor(a) for k, a in self._arrays.items()}
 
     @property
     def write_count(self) -> int:
@@ -79,7 +90,11 @@ class MappedStore:
             return
         self._closed = True
         self.leaves.clear()
-        self.seq = self._header = None  # drop numpy views before unmapping
+        self._arrays.clear()
+        self.seq = self._header = self._data = None  # drop numpy views before unmapping
+        self._unmap()
+
+    def _unmap(self) -> None:
         for mm in self._maps:
             if mm is not None:
                 try:
@@ -96,11 +111,19 @@ class MappedStore:
 
 
 class ReplayStorage(MappedStore):
-    """Read-write handle: what workers (and the daemon) use to write rows."""
+    """Read-write handle: what workers (and the daemon) use to write rows.
+
+    Any number of processes may write at once. A handle may be shared by threads
+    (its writes are serialised); one handle per thread writes in parallel."""
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path, writable=True)
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR)
+        try:
+            self._lock_fd = os.open(self.path / "lock", os.O_RDWR)
+        except FileNotFoundError:
+            super().close()
+            raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
+        self._write_lock = threading.Lock()
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -111,21 +134,30 @@ class ReplayStorage(MappedStore):
         if capacity <= 0:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
         schema = schema_of(example_or_spec)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} is a file; choose an empty or new directory")
         if (path / "meta.json").exists():
             raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open to reopen it")
-        if path.exists() and any(p for p in path.iterdir() if p.name not in ("leaves", "lock", "header.bin")):
-            raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
         path.mkdir(parents=True, exist_ok=True)
-        files.allocate(path, schema, capacity)
-        files.write_meta(path, schema, capacity)
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # two creators: the second finds meta.json below
+            if (path / "meta.json").exists():
+                raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open")
+            if any(p.name not in files.CREATION_FILES for p in path.iterdir()):
+                raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
+            files.allocate(path, schema, capacity)
+            files.write_meta(path, schema, capacity)
+        finally:
+            os.close(fd)
         return cls(path)
 
     @classmethod
     def open(cls, path: str | os.PathLike, example_or_spec=None, capacity: int | None = None,
              recover: bool = False) -> "ReplayStorage":
         """Reopen a storage. With ``example_or_spec``/``capacity`` given, a mismatch is an error
-        (nothing is ever wiped). ``recover=True`` clears slots left mid-write by dead writers; call
-        it only while no writer is alive (the daemon does, before it starts its workers)."""
+        (nothing is ever wiped). ``recover=True`` clears slots left mid-write by dead writers
+        (slots that live writers are filling are left alone)."""
         store = cls(path)
         try:
             store._check_matches(example_or_spec, capacity)
@@ -139,9 +171,13 @@ class ReplayStorage(MappedStore):
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, example_or_spec, capacity: int,
                        recover: bool = True) -> "ReplayStorage":
-        if (Path(path) / "meta.json").exists():
-            return cls.open(path, example_or_spec, capacity, recover=recover)
-        return cls.create(path, example_or_spec, capacity)
+        if not (Path(path) / "meta.json").exists():
+            try:
+                return cls.create(path, example_or_spec, capacity)
+            except FileExistsError:
+                if not (Path(path) / "meta.json").exists():
+                    raise
+        return cls.open(path, example_or_spec, capacity, recover=recover)
 
     def _check_matches(self, example_or_spec, capacity: int | None) -> None:
         if capacity is not None and int(capacity) != self.capacity:
@@ -166,11 +202,24 @@ class ReplayStorage(MappedStore):
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def recover(self) -> int:
-        """Mark slots left odd (mid-write) as empty; returns how many were cleared."""
+        """Mark slots left odd by dead writers as empty; returns how many were cleared.
+
+        A slot is odd while its writer fills it, and that writer holds a lock on it
+        which the kernel drops when the writer dies: odd slots nobody locks are dead."""
+        cleared = 0
         with self._locked():
             odd = np.flatnonzero(self.seq & 1)
-            self.seq[odd] = 0
-        return int(odd.size)
+            for run in np.split(odd, np.flatnonzero(np.diff(odd) != 1) + 1) if odd.size else ():
+                first, count = int(run[0]), int(run.size)
+                if not files.slots_locked(self._lock_fd, first, count):
+                    self.seq[first:first + count] = 0
+                    cleared += count
+                    continue
+                for slot in range(first, first + count):
+                    if not files.slots_locked(self._lock_fd, slot, 1):
+                        self.seq[slot] = 0
+                        cleared += 1
+        return cleared
 
     def next_incarnation(self) -> int:
         """A persistent, never-repeating number (used to make episode ids unique forever)."""
@@ -186,14 +235,40 @@ class ReplayStorage(MappedStore):
         n = self._validate(batch)
         if n == 0:
             return self.write_count
+        with self._write_lock:
+            index = self._reserve(n)
+            try:
+                self._fill(index, batch)
+                self._set_seq(index, 2 * index + 2)
+            except BaseException:
+                self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
+                raise
+            finally:
+                self._release(index)
+        return int(index[0])
+
+    def _reserve(self, n: int) -> np.ndarray:
+        """Take write indices ``[start, start+n)``: lock their slots and mark them odd."""
         with self._locked():
             start = int(self._header[files.H_WRITE_COUNT])
-            self._header[files.H_WRITE_COUNT] = start + n
             index = np.arange(start, start + n, dtype=np.int64)
+            locked = []
+            try:
+                for dst, _ in self._segments(start, n):
+                    # waits if a slow writer is still filling a slot of the previous lap
+                    files.lock_slots(self._lock_fd, dst.start, dst.stop - dst.start)
+                    locked.append(dst)
+            except BaseException:
+                for dst in locked:
+                    files.unlock_slots(self._lock_fd, dst.start, dst.stop - dst.start)
+                raise
             self._set_seq(index, 2 * index + 1)
-        self._fill(index, batch)
-        self._set_seq(index, 2 * index + 2)
-        return start
+            self._header[files.H_WRITE_COUNT] = start + n
+        return index
+
+    def _release(self, index: np.ndarray) -> None:
+        for dst, _ in self._segments(int(index[0]), index.size):
+            files.unlock_slots(self._lock_fd, dst.start, dst.stop - dst.start)
 
     def _set_seq(self, index: np.ndarray, values: np.ndarray) -> None:
         for dst, src in self._segments(int(index[0]), index.size):
@@ -202,9 +277,10 @@ class ReplayStorage(MappedStore):
     def _fill(self, index: np.ndarray, batch: TensorDictBase) -> None:
         """Copy the rows into their reserved slots (a separate step so tests can stall it)."""
         windex = torch.from_numpy(index)
+        segments = self._segments(int(index[0]), index.size)
         for key, tensor in self.leaves.items():
             src = windex if key == WRITE_INDEX else batch.get(key)
-            for dst, part in self._segments(int(index[0]), index.size):
+            for dst, part in segments:
                 tensor[dst].copy_(src[part])
 
     def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
@@ -217,6 +293,7 @@ class ReplayStorage(MappedStore):
         return parts
 
     def _validate(self, batch: TensorDictBase) -> int:
+        self._check_open()
         if not isinstance(batch, TensorDictBase) or batch.batch_dims != 1:
             raise SchemaMismatch("write() takes a TensorDict with one batch dimension (rows)")
         n = batch.batch_size[0]
@@ -233,6 +310,8 @@ class ReplayStorage(MappedStore):
             if tuple(value.shape[1:]) != leaf.shape or value.dtype != leaf.dtype:
                 raise SchemaMismatch(f"leaf {key}: got shape {tuple(value.shape[1:])} {value.dtype} per row, "
                                      f"the storage holds {leaf.shape} {leaf.dtype}")
+            if value.device.type != "cpu":
+                raise SchemaMismatch(f"leaf {key} is on {value.device}; move the batch to the CPU first")
         return n
 
     def close(self) -> None:

@@ -15,11 +15,12 @@ and diffs. Cross-field rules live there too, so all checking is in one place.
 """
 from __future__ import annotations
 
+import abc
 import datetime as _dt
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
 from ingestd.errors import ConfigError
@@ -134,7 +135,7 @@ def describe(value: Any) -> str:
         if isinstance(value, kind):
             shown = toml_value(value)
             return f"{shown[:60]}{'...' if len(shown) > 60 else ''} ({name})"
-    return f"{type(value).__name__} {value!r}"
+    return f"{value!r} (a Python {type(value).__name__}, which TOML cannot express)"
 
 
 def suggest(word: str, choices: Any) -> str:
@@ -144,13 +145,14 @@ def suggest(word: str, choices: Any) -> str:
 
 
 # -- rules ----------------------------------------------------------------------
-class Rule:
+class Rule(abc.ABC):
     """Checks one raw value; ``accepted`` says what is allowed, in every error."""
 
     accepted = "a value"
 
+    @abc.abstractmethod
     def check(self, key: str, value: Any) -> Any:
-        raise NotImplementedError
+        """The typed value, or raise :class:`ConfigError` naming ``key``."""
 
     def fail(self, key: str, value: Any, hint: str = "") -> ConfigError:
         return ConfigError(key, f"expected {self.accepted}, got {describe(value)}{hint}")
@@ -168,7 +170,7 @@ class Int(Rule):
 
     @property
     def accepted(self) -> str:
-        return f"an integer in {self.lo}..{self.hi}"
+        return f"an integer >= {self.lo}" if self.hi >= 2**62 else f"an integer in {self.lo}..{self.hi}"
 
     def check(self, key: str, value: Any) -> int:
         if isinstance(value, float) and value.is_integer():
@@ -272,14 +274,16 @@ class Factory(Rule):
             if not re.fullmatch(_IMPORT_PATH, text):
                 raise self.fail(key, value, "; an import path looks like 'mypkg.envs:make_env'")
             return text
+        if "." in text:
+            raise self.fail(key, value, f"; an import path names the factory after a colon: '{text}:make'")
         if not self.aliases:
             if not text.isidentifier():
                 raise self.fail(key, value)
             return text
-        return Choice(self.aliases).check(key, value) if text else self.fail_raise(key, value)
-
-    def fail_raise(self, key: str, value: Any) -> str:
-        raise self.fail(key, value)
+        for alias in self.aliases:
+            if text.lower() == alias.lower():
+                return alias
+        raise self.fail(key, value, suggest(text, self.aliases))
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,7 @@ def check_ipc_length(key: str, address: str) -> None:
 class Table(Rule):
     """A TOML table, frozen; every value must be writable back as TOML."""
 
-    accepted = "a table, e.g. { max_steps = 500 }"
+    accepted = "a table (inline: { key = value, ... }, or a [section.key] table)"
 
     def check(self, key: str, value: Any) -> FrozenTable:
         if not isinstance(value, Mapping):
@@ -361,8 +365,8 @@ class Table(Rule):
             for i, v in enumerate(value):
                 self._check_values(f"{key}[{i}]", v)
         elif not isinstance(value, _TOML_SCALARS):
-            raise ConfigError(key, f"{describe(value)} has no TOML form; use a string, number, boolean, "
-                                   "date/time, array or table")
+            raise ConfigError(key, f"got {describe(value)}; use a string, number, boolean, date/time, "
+                                   "array or table")
 
 
 # -- the schema -----------------------------------------------------------------
@@ -371,7 +375,7 @@ def setting(default: Any, doc: str, rule: Rule, *, live: bool = False) -> Any:
     return field(default=default, metadata={"doc": doc, "rule": rule, "live": live})
 
 
-_HOST = r"[A-Za-z0-9_.:%-]+|\[[0-9A-Fa-f:.%\w]+\]"
+_HOST = r"[A-Za-z0-9_.:%-]+"  # a name, an IPv4 address or a bare IPv6 address (::1)
 
 
 @dataclass(frozen=True)
@@ -449,7 +453,7 @@ class ControlConfig:
     curve_authorized_keys: str = setting("", "Directory of client CURVE public keys allowed to connect.",
                                          PathSetting("none"))
     max_message_bytes: int = setting(256 * MiB, "Largest message accepted (ZMQ_MAXMSGSIZE); bounds weight "
-                                                "pushes.", Int(1024, 2**62))
+                                                "pushes.", Int(1024, 2**40))
     max_frames: int = setting(8, "Most frames in one request (JSON header + binary payloads).", Int(2, 1024))
     ack_timeout_s: float = setting(
         10.0, "How long a command waits for workers to acknowledge (pause, resume, weights applied).",
@@ -489,4 +493,4 @@ SECTIONS: dict[str, type] = {
 
 
 def section_keys(cls: type) -> tuple[str, ...]:
-    return tuple(cls.__dataclass_fields__)
+    return tuple(f.name for f in fields(cls))

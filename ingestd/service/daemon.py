@@ -72,10 +72,8 @@ class Daemon:
         self._install_signals()
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
-        self.supervisor = Supervisor(
-            self.layout.worker_spec, self.layout.stats,
-            RestartPolicy(w.heartbeat_timeout_s, w.restart_backoff_s, w.restart_backoff_max_s, w.restart_budget),
-            on_event=self.emit, clock=self.clock)
+        self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
+                                     on_event=self.emit, clock=self.clock)
         try:
             for service in self.services:
                 service.start(self)
@@ -173,6 +171,7 @@ class Daemon:
             self.supervisor.scale(new.workers.count)
         self.config = _with_live(self.config, new, applied)
         self.layout.config = self.config
+        self.supervisor.policy = restart_policy(self.config.workers)
         if needs_restart:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
         log.info("reload: applied %s", ", ".join(applied) or "nothing (no live change)")
@@ -190,6 +189,11 @@ class Daemon:
         storage = self.layout.storage
         return (f"{running}/{sup.count} workers running, {frames} frames, "
                 f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
+
+
+def restart_policy(workers) -> RestartPolicy:
+    return RestartPolicy(workers.heartbeat_timeout_s, workers.restart_backoff_s, workers.restart_backoff_max_s,
+                         workers.restart_budget)
 
 
 def _with_live(old, new, applied: list[str]):

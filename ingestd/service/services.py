@@ -4,4 +4,11 @@ from __future__ import annotations
 
 def default_services(config) -> list:
     """Services started after the layout exists and stopped before it closes."""
-    return []
+    from ingestd.control.server import ControlServer
+
+    services: list = [ControlServer(config)]
+    if config.metrics.enabled:
+        from ingestd.metrics import MetricsExporter
+
+        services.append(MetricsExporter(config))
+    return services

@@ -1,0 +1,148 @@
+"""Built-in policies: ``Random`` and ``MLP`` (an epsilon-greedy Q-network).
+
+Factories take ``(spec: EnvSpec, **kwargs)``; both need a discrete action
+space (``spec.num_actions``).
+
+``MLP`` state_dict names, in this order (stable: trainers push weights by name)::
+
+    epsilon          []                  float32, the exploration rate
+    net.0.weight     [h1, obs_dim]       net.0.bias  [h1]
+    net.2.weight     [h2, h1]            net.2.bias  [h2]
+    ...              (one Linear per hidden size, each followed by a ReLU)
+    net.{2k}.weight  [num_actions, hk]   net.{2k}.bias  [num_actions]
+
+where ``obs_dim`` is the flattened observation size and ``k = len(hidden)``.
+
+``mlp_qnet`` builds the bare Q-network a trainer learns, with the same names,
+so its ``state_dict()`` can be pushed to the collectors as is.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+from torch.nn import functional as F
+
+from ingestd.collect.interfaces import EnvSpec
+
+
+def _num_actions(spec: EnvSpec, who: str) -> int:
+    if spec.num_actions is None or spec.action_shape != ():
+        raise ValueError(f"{who} needs a discrete action space (num_actions set, action_shape ()); "
+                         f"got action_shape={spec.action_shape}, num_actions={spec.num_actions}")
+    return spec.num_actions
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+class Random:
+    """``Random(spec, seed=None)``: uniform actions in ``0..num_actions-1``.
+    Not a module: it has no weights to receive."""
+
+    def __init__(self, spec: EnvSpec, seed: int | None = None):
+        self.num_actions = _num_actions(spec, "the Random policy")
+        self._gen = _generator(seed)
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        action = torch.randint(0, self.num_actions, td.batch_size, generator=self._gen, device=td.device)
+        td.set("action", action)
+        return td
+
+
+class _QNet(nn.Module):
+    """The Q-network layers and ``epsilon``; owns the state_dict names."""
+
+    def __init__(self, obs_shape: Sequence[int], num_actions: int, hidden: Sequence[int], epsilon: float):
+        super().__init__()
+        if num_actions < 1 or any(h < 1 for h in hidden):
+            raise ValueError(f"Q-network sizes must be positive: num_actions={num_actions}, hidden={tuple(hidden)}")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        self.obs_ndim = len(obs_shape)
+        self.obs_dim = math.prod(obs_shape)
+        self.num_actions = num_actions
+        sizes = [self.obs_dim, *hidden]
+        layers: list[nn.Module] = []
+        for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+        layers.append(nn.Linear(sizes[-1], num_actions))
+        self.net = nn.Sequential(*layers)
+        self.register_buffer("epsilon", torch.tensor(float(epsilon), dtype=torch.float32))
+
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        """Q-values ``[*batch, num_actions]`` of observations ``[*batch, *obs_shape]`` (any dtype)."""
+        batch = obs.shape[: obs.dim() - self.obs_ndim]
+        return self.net(obs.reshape(*batch, self.obs_dim).to(torch.float32))
+
+
+class QNetwork(_QNet):
+    """A bare Q-network: ``forward(obs) -> Q-values``; see ``mlp_qnet``."""
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q_values(obs)
+
+
+def mlp_qnet(spec_or_obs_dim: EnvSpec | int, num_actions: int | None = None,
+             hidden: Sequence[int] = (64, 64)) -> QNetwork:
+    """A Q-network with the same state_dict names, shapes and dtypes as
+    ``MLP(spec, hidden=hidden)``. Give an ``EnvSpec`` (``num_actions`` defaults
+    to the spec's) or a flat observation size and ``num_actions``."""
+    if isinstance(spec_or_obs_dim, EnvSpec):
+        obs_shape = spec_or_obs_dim.observation_shape
+        num_actions = num_actions or _num_actions(spec_or_obs_dim, "mlp_qnet")
+    else:
+        obs_shape = (int(spec_or_obs_dim),)
+        if num_actions is None:
+            raise ValueError("mlp_qnet needs num_actions when given an observation size")
+    return QNetwork(obs_shape, num_actions, tuple(hidden), epsilon=0.0)
+
+
+class MLP(_QNet):
+    """``MLP(spec, hidden=(64, 64), epsilon=0.0, seed=None)``: epsilon-greedy on a
+    Q-network. Calling it writes ``"action"`` (int64 ``[B]``) into the root td.
+    ``seed`` fixes the initial weights and the exploration stream."""
+
+    def __init__(self, spec: EnvSpec, hidden: Sequence[int] = (64, 64), epsilon: float = 0.0,
+                 seed: int | None = None):
+        num_actions = _num_actions(spec, "the MLP policy")
+        if seed is None:
+            super().__init__(spec.observation_shape, num_actions, tuple(hidden), epsilon)
+        else:
+            with torch.random.fork_rng(devices=[]):  # seeded init leaves the global stream alone
+                torch.manual_seed(seed)
+                super().__init__(spec.observation_shape, num_actions, tuple(hidden), epsilon)
+        self._gen = _generator(None if seed is None else seed + 1)
+        self._linears = tuple(m for m in self.net if isinstance(m, nn.Linear))  # not registered twice
+        self.requires_grad_(False)  # acting only; weights arrive by load_state_dict
+
+    @torch.no_grad()
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        action = self._fast_q_values(td.get("observation")).argmax(-1)
+        epsilon = float(self.epsilon)
+        if epsilon > 0.0:
+            shape = action.shape
+            explore = torch.rand(shape, generator=self._gen) < epsilon
+            random = torch.randint(0, self.num_actions, shape, generator=self._gen)
+            action = torch.where(explore, random, action)
+        td.set("action", action)
+        return td
+
+    def _fast_q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        """``q_values`` without the per-module call overhead (a third of the
+        policy's time at 256 envs); the same layers, applied functionally."""
+        batch = obs.shape[: obs.dim() - self.obs_ndim]
+        x = obs.reshape(*batch, self.obs_dim).to(torch.float32)
+        *hidden, last = self._linears
+        for layer in hidden:
+            x = F.linear(x, layer.weight, layer.bias).relu_()
+        return F.linear(x, last.weight, last.bias)

@@ -1,0 +1,312 @@
+"""``ingestctl``: control a running ingestd from a shell or a script.
+
+Exit codes (sysexits.h, so scripts can tell what went wrong):
+
+==  =========================================================================
+0   success
+1   the daemon refused the command (an error reply that will not go away by retrying)
+64  usage error (bad arguments)
+65  the input file is not usable (push-weights: not a state dict of tensors)
+66  the input file does not exist or cannot be read
+69  no reply from the daemon within the timeout (not running, wrong address, no access)
+73  keygen: cannot write the key files (they exist: use --force)
+75  temporary failure: the daemon replied timeout, busy or unavailable; retrying may work
+76  the reply was not understood (not an ingestd socket, or a version mismatch)
+==  =========================================================================
+
+With ``--json`` every command prints exactly one JSON object on stdout
+(``{"ok": true, "result": ...}`` or ``{"ok": false, "error": {"code", "message"}}``),
+except ``events``, which prints one JSON object per event and line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+EX_OK, EX_FAILED, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 1, 64, 65, 66
+EX_UNAVAILABLE, EX_CANTCREAT, EX_TEMPFAIL, EX_PROTOCOL = 69, 73, 75, 76
+
+
+class UsageError(Exception):
+    pass
+
+
+class InputError(Exception):
+    """A local input file cannot be used; ``exit_code`` says how (65 or 66)."""
+
+    def __init__(self, code: str, message: str, exit_code: int):
+        super().__init__(message)
+        self.code, self.exit_code = code, exit_code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit 2; scripts expect EX_USAGE
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ingestctl", description="Control a running ingestd daemon.")
+    p.add_argument("--connect", metavar="ADDR", help="control address (default: $INGESTD_CONTROL, else the "
+                                                     "ipc socket in the daemon's runtime dir)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for a reply (5)")
+    p.add_argument("--json", action="store_true", help="print stable JSON instead of text")
+    p.add_argument("--server-key", metavar="FILE", help="CURVE: the daemon's public key file (tcp:// only)")
+    p.add_argument("--client-key", metavar="FILE", help="CURVE: this client's .key_secret file (tcp:// only)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("ping", help="check that the daemon answers")
+    sub.add_parser("status", help="workers, replay fill and weights version")
+    sub.add_parser("config", help="the effective config")
+    for name in ("pause", "resume"):
+        cmd = sub.add_parser(name, help=f"{name} every worker and wait for all of them to acknowledge")
+        cmd.add_argument("--wait", type=float, metavar="S", help="acknowledgement deadline (default 10)")
+    cmd = sub.add_parser("restart", help="restart all workers, or the listed ones")
+    cmd.add_argument("workers", nargs="*", type=int, metavar="W")
+    cmd.add_argument("--no-wait", action="store_true", help="reply once the restart is requested")
+    cmd.add_argument("--wait", type=float, metavar="S", help="deadline for the workers to come back (default 10)")
+    cmd = sub.add_parser("scale", help="run N workers")
+    cmd.add_argument("n", type=int, metavar="N")
+    cmd.add_argument("--no-wait", action="store_true")
+    cmd.add_argument("--wait", type=float, metavar="S")
+    cmd = sub.add_parser("push-weights", help="push a state dict file (torch.save) as new policy weights")
+    cmd.add_argument("file", metavar="FILE")
+    cmd.add_argument("--no-wait", action="store_true", help="reply once published, not once applied")
+    cmd.add_argument("--wait", type=float, metavar="S")
+    sub.add_parser("reload", help="re-read the daemon's config file (systemd ExecReload)")
+    cmd = sub.add_parser("events", help="follow the event stream")
+    cmd.add_argument("--events", metavar="ADDR", help="event address (default: asked from the daemon)")
+    cmd.add_argument("--topic", action="append", default=[], help="topic prefix to follow (repeatable)")
+    cmd.add_argument("--count", type=int, metavar="N", help="exit after N events")
+    cmd.add_argument("--duration", type=float, metavar="S", help="exit after S seconds")
+    cmd = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key (public) and NAME.key_secret (0600)")
+    cmd.add_argument("name", metavar="NAME")
+    cmd.add_argument("--dir", default=".", help="directory to write to (default: .)")
+    cmd.add_argument("--force", action="store_true", help="overwrite existing files")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EX_USAGE
+    from ingestd.errors import BadReply, BadWeights, CommandFailed, DaemonUnavailable
+    from ingestd.control.curve import KeyFileError
+    from ingestd.control.protocol import ErrorCode
+
+    out = Output(args.json)
+    try:
+        if args.command == "keygen":
+            return _keygen(args, out)
+        client = _client(args)
+        try:
+            return COMMANDS[args.command](client, args, out)
+        finally:
+            client.close()
+    except CommandFailed as exc:
+        retryable = exc.code in {c.value for c in ErrorCode if c.retryable}
+        return out.error(exc.code, exc.message, EX_TEMPFAIL if retryable else EX_FAILED)
+    except DaemonUnavailable as exc:
+        return out.error("daemon_unavailable", str(exc), EX_UNAVAILABLE)
+    except BadReply as exc:
+        return out.error("bad_reply", str(exc), EX_PROTOCOL)
+    except BadWeights as exc:  # raised locally, while encoding: the daemon never saw it
+        return out.error("bad_input", str(exc), EX_DATAERR)
+    except KeyFileError as exc:
+        return out.error("bad_key", str(exc), EX_NOINPUT)
+    except UsageError as exc:
+        return out.error("usage", str(exc), EX_USAGE)
+    except InputError as exc:
+        return out.error(exc.code, str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        return 130
+
+
+class Output:
+    """Text for people, one stable JSON document for scripts."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+
+    def ok(self, result: Any, text: str | Callable[[], str]) -> int:
+        if self.as_json:
+            print(json.dumps({"ok": True, "result": result}, sort_keys=True))
+        else:
+            print(text() if callable(text) else text)
+        return EX_OK
+
+    def error(self, code: str, message: str, exit_code: int) -> int:
+        if self.as_json:
+            print(json.dumps({"ok": False, "error": {"code": code, "message": message}}, sort_keys=True))
+        print(f"ingestctl: {code}: {message}", file=sys.stderr)
+        return exit_code
+
+
+def _client(args):
+    from ingestd.control.client import ControlClient, CurveKeys
+
+    if args.timeout <= 0:
+        raise UsageError("ingestctl: --timeout must be > 0")
+    keys = None
+    if args.server_key or args.client_key:
+        if not (args.server_key and args.client_key):
+            raise UsageError("ingestctl: CURVE needs both --server-key and --client-key")
+        keys = CurveKeys.load(args.server_key, args.client_key)
+    try:
+        return ControlClient(args.connect, timeout=args.timeout, curve_keys=keys)
+    except Exception as exc:  # a malformed $INGESTD_CONTROL or --connect
+        raise UsageError(f"ingestctl: {exc}") from None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _list(items: list) -> str:
+    return ", ".join(str(i) for i in items) or "none"
+
+
+def _ping(client, args, out: Output) -> int:
+    r = client.ping()
+    return out.ok(r, f"pong from pid {r['pid']} (ingestd {r['version']}, protocol v{r['protocol']})")
+
+
+def _status(client, args, out: Output) -> int:
+    from ingestd.control.commands import GetStatus, Status
+
+    raw = client.call(GetStatus())
+
+    return out.ok(raw, lambda: format_status(Status.from_json(raw)))
+
+
+def format_status(s) -> str:
+    rows = [("WORKER", "STATE", "PID", "FRAMES", "FRAMES/S", "EPISODES", "LAST RETURN", "RESTARTS", "WEIGHTS",
+             "HEARTBEAT")]
+    for w in s.workers:
+        rows.append((str(w.index), w.state, str(w.pid or "-"), str(w.frames), f"{w.frames_per_s:.0f}",
+                     str(w.episodes), "-" if w.last_return is None else f"{w.last_return:.2f}", str(w.restarts),
+                     f"v{w.weights_version}", "-" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.2f}s"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    errors = [f"  worker {w.index}: {w.error}" for w in s.workers if w.error]
+    r = s.replay
+    lines += (["errors:", *errors] if errors else []) + [
+        f"replay: {r.rows}/{r.capacity} rows, write_count {r.write_count} ({r.path})",
+        f"weights: v{s.weights_version}; desired: {s.desired}; workers wanted: {s.count}; "
+        f"uptime {s.uptime_s:.0f} s; pid {s.pid}",
+    ]
+    return "\n".join(lines)
+
+
+def _config(client, args, out: Output) -> int:
+    result = client.config()
+    return out.ok(result, lambda: json.dumps(result, indent=2, sort_keys=True))
+
+
+def _pause_resume(client, args, out: Output) -> int:
+    acked = (client.pause if args.command == "pause" else client.resume)(timeout_s=args.wait)
+    verb = "paused" if args.command == "pause" else "resumed"
+    return out.ok(acked.to_json(), f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}")
+
+
+def _restart(client, args, out: Output) -> int:
+    acked = client.restart(args.workers or None, wait=not args.no_wait, timeout_s=args.wait)
+    return out.ok(acked.to_json(), f"restarted workers {_list(acked.workers)} in {_ms(acked.seconds)}")
+
+
+def _scale(client, args, out: Output) -> int:
+    if args.n < 0:
+        raise UsageError("ingestctl: N must be >= 0")
+    acked = client.scale(args.n, wait=not args.no_wait, timeout_s=args.wait)
+    return out.ok(acked.to_json(), f"scaled to {args.n} worker(s) in {_ms(acked.seconds)}")
+
+
+def _push(client, args, out: Output) -> int:
+    state = load_state_dict(args.file)
+    pushed = client.push_weights_detailed(state, wait=not args.no_wait, timeout_s=args.wait)
+    deferred = f"; paused workers {_list(pushed.deferred)} apply it on resume" if pushed.deferred else ""
+    return out.ok(pushed.to_json(), f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
+                                    f"in {_ms(pushed.seconds)}{deferred}")
+
+
+def load_state_dict(path: str) -> dict:
+    """A ``{name: tensor}`` mapping from a ``torch.save`` file, loaded with ``weights_only=True``
+    (no pickled code runs); ``InputError`` if the file is unreadable (66) or not a state dict (65)."""
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise InputError("no_input", f"cannot read {path}: {exc.strerror}", EX_NOINPUT) from None
+    except Exception as exc:  # weights_only refuses pickled objects; torch raises various types
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise InputError("bad_input", f"{path} is not a weights-only torch file: {first}", EX_DATAERR) from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not obj or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor); "
+                                      "save one with torch.save(model.state_dict(), FILE)", EX_DATAERR)
+    return obj
+
+
+def _reload(client, args, out: Output) -> int:
+    r = client.reload()
+    extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
+    return out.ok(r.to_json(), f"reloaded; applied: {_list(r.applied)}{extra}")
+
+
+def _events(client, args, out: Output) -> int:
+    from ingestd.control.client import EventStream
+
+    address = args.events or client.ping()["events_address"]
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    seen = 0
+    with EventStream(address, tuple(args.topic) or ("",), curve_keys=client.curve_keys) as stream:
+        if not out.as_json:
+            print(f"following events from {address} (Ctrl-C to stop)", file=sys.stderr)
+        while args.count is None or seen < args.count:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            event = stream.next(remaining)
+            if event is None:
+                continue
+            seen += 1
+            if out.as_json:
+                print(json.dumps({"topic": event.topic, "event": event.data}, sort_keys=True), flush=True)
+            else:
+                fields = " ".join(f"{k}={v}" for k, v in event.data.items() if k not in ("v", "event", "time", "seq"))
+                stamp = time.strftime("%H:%M:%S", time.localtime(event.data.get("time", 0)))
+                print(f"{stamp} {event.topic} {fields}", flush=True)
+    return EX_OK
+
+
+def _keygen(args, out: Output) -> int:
+    from ingestd.control.curve import keygen
+
+    try:
+        public, secret = keygen(args.dir, args.name, force=args.force)
+    except FileExistsError as exc:
+        return out.error("exists", f"{exc.filename} exists; use --force to overwrite it", EX_CANTCREAT)
+    except OSError as exc:
+        return out.error("cannot_write", f"cannot write keys in {args.dir}: {exc.strerror}", EX_CANTCREAT)
+    except ValueError as exc:
+        return out.error("usage", str(exc), EX_USAGE)
+    result = {"public": os.path.abspath(public), "secret": os.path.abspath(secret)}
+    return out.ok(result, f"public key: {result['public']} (give it to the daemon's authorized keys dir)\n"
+                          f"secret key: {result['secret']} (mode 0600; keep it private)")
+
+
+COMMANDS: dict[str, Callable[..., int]] = {
+    "ping": _ping, "status": _status, "config": _config, "pause": _pause_resume, "resume": _pause_resume,
+    "restart": _restart, "scale": _scale, "push-weights": _push, "reload": _reload, "events": _events,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

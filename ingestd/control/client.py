@@ -1,0 +1,255 @@
+"""The Python client: ``ControlClient`` (requests) and ``EventStream`` (the PUB events).
+
+``ControlClient`` speaks DEALER with the "lazy pirate" pattern: each request
+waits at most ``timeout`` seconds (plus the worker-acknowledgement wait the
+command asks the daemon for); on silence the socket is thrown away (LINGER 0)
+and, for idempotent commands only, the request is sent again on a fresh
+socket. Replies are matched by request id, so a late reply to an abandoned
+request is dropped. Nothing is ever pickled: weights travel in
+``ingestd.weights``'s manifest + lz4 format.
+
+A client is not meant to be shared between threads; calls are serialised by
+a lock if it is.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import zmq
+
+from ingestd.control import curve
+from ingestd.control.commands import (
+    Acked, GetConfig, GetStatus, Pause, Ping, Pushed, PushWeights, Reload, Reloaded, Request, Restart, Resume,
+    Scale, Status,
+)
+from ingestd.control.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_header
+from ingestd.errors import BadReply, DaemonUnavailable
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_ACK_TIMEOUT_S = 10.0  # sent with commands that wait for workers
+MAX_REPLY_BYTES = 16 << 20
+
+
+def default_address(environ: Mapping[str, str] | None = None) -> str:
+    """$INGESTD_CONTROL, else the daemon's default ipc socket in the runtime dir."""
+    from ingestd.service.config import default_control_address
+
+    return default_control_address(os.environ if environ is None else environ)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE settings of a client: the daemon's public key and this client's secret key file."""
+
+    server_public: bytes
+    client_secret_file: str
+
+    @classmethod
+    def load(cls, server_key: str | bytes | os.PathLike, client_secret_file: str | os.PathLike) -> CurveKeys:
+        public = curve.load_public(server_key)
+        curve.load_secret(client_secret_file)  # fail now, with the file's name, rather than at connect
+        return cls(public, os.fspath(client_secret_file))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        curve.make_client(sock, self.server_public, self.client_secret_file)
+
+
+class ControlClient:
+    """Talks to a running daemon. ``ControlClient()`` finds the local default socket."""
+
+    def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *, retries: int = 2,
+                 ack_timeout: float = DEFAULT_ACK_TIMEOUT_S, curve_keys: CurveKeys | None = None,
+                 environ: Mapping[str, str] | None = None, context: zmq.Context | None = None):
+        if timeout <= 0 or ack_timeout <= 0 or retries < 0:
+            raise ValueError("timeout and ack_timeout must be > 0 and retries >= 0")
+        self.address = address or default_address(environ)
+        self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
+        self.curve_keys = curve_keys
+        self._context = context or zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}-"
+        self._lock = threading.Lock()
+
+    # -- commands ------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return self.call(Ping())
+
+    def status(self) -> Status:
+        return Status.from_json(self.call(GetStatus()))
+
+    def config(self) -> dict[str, Any]:
+        """The daemon's effective config, as nested dicts shaped like the TOML file."""
+        return self.call(GetConfig())
+
+    def pause(self, timeout_s: float | None = None) -> Acked:
+        """Pause every worker; returns once each live worker has finished its chunk and paused."""
+        return Acked.from_json(self.call(Pause(timeout_s=self._wait(timeout_s))))
+
+    def resume(self, timeout_s: float | None = None) -> Acked:
+        return Acked.from_json(self.call(Resume(timeout_s=self._wait(timeout_s))))
+
+    def restart(self, workers: list[int] | None = None, wait: bool = True, timeout_s: float | None = None) -> Acked:
+        """Restart all workers, or those listed; with ``wait`` returns once they run again."""
+        chosen = None if workers is None else tuple(int(w) for w in workers)
+        return Acked.from_json(self.call(Restart(workers=chosen, wait=wait, timeout_s=self._wait(timeout_s))))
+
+    def scale(self, n: int, wait: bool = True, timeout_s: float | None = None) -> Acked:
+        return Acked.from_json(self.call(Scale(count=int(n), wait=wait, timeout_s=self._wait(timeout_s))))
+
+    def push_weights(self, module_or_state_dict: Any, wait: bool = True, timeout_s: float | None = None) -> int:
+        """Send new policy weights; returns their version. With ``wait`` the reply comes once
+        every live, collecting worker has applied them (paused ones apply them before their
+        next chunk). ``CommandFailed`` with code ``bad_weights`` if they do not fit the policy."""
+        return self.push_weights_detailed(module_or_state_dict, wait, timeout_s).version
+
+    def push_weights_detailed(self, module_or_state_dict: Any, wait: bool = True,
+                              timeout_s: float | None = None) -> Pushed:
+        from ingestd.weights.wire import encode
+
+        frames = tuple(encode(module_or_state_dict))
+        return Pushed.from_json(self.call(PushWeights(wait=wait, timeout_s=self._wait(timeout_s), frames=frames)))
+
+    def reload(self) -> Reloaded:
+        """Re-read the daemon's config file and apply what can change live."""
+        return Reloaded.from_json(self.call(Reload(), extra_wait=self.ack_timeout))
+
+    # -- transport -----------------------------------------------------------------------
+    def _wait(self, timeout_s: float | None) -> float:
+        return float(self.ack_timeout if timeout_s is None else timeout_s)
+
+    def call(self, request: Request, extra_wait: float = 0.0) -> Any:
+        """Send ``request``; the result, ``CommandFailed``, ``DaemonUnavailable`` or ``BadReply``."""
+        return self.request(request, extra_wait).unwrap()
+
+    def request(self, request: Request, extra_wait: float = 0.0) -> Reply:
+        args, payload = request.encode()
+        budget = self.timeout + (request.wait_s or 0.0) + extra_wait
+        attempts = 1 + (self.retries if request.idempotent else 0)
+        with self._lock:
+            request_id = self._prefix + str(next(self._ids))
+            frames = [encode_header(request_id, request.cmd, args), *payload]
+            for attempt in range(attempts):
+                reply = self._attempt(frames, request_id, budget)
+                if reply is not None:
+                    return reply
+        raise DaemonUnavailable(self._silence(request.cmd, budget, attempts))
+
+    def _attempt(self, frames: list, request_id: str, budget: float) -> Reply | None:
+        sock = self._connected()
+        sock.send_multipart(frames, copy=len(frames) == 1)
+        deadline = time.monotonic() + budget
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                self._discard()  # lazy pirate: a fresh socket for the next attempt
+                return None
+            reply = decode_reply(sock.recv_multipart())
+            if reply.id == request_id:
+                return reply
+            # a late reply to an abandoned request: drop it and keep waiting
+
+    def _connected(self) -> zmq.Socket:
+        if self._socket is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            if self.curve_keys is not None:
+                self.curve_keys.apply(sock)
+            sock.connect(self.address)
+            self._socket = sock
+        return self._socket
+
+    def _discard(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def _silence(self, cmd: str, budget: float, attempts: int) -> str:
+        hint = ""
+        if self.address.startswith("ipc://") and not self.address.startswith("ipc://@"):
+            path = self.address[len("ipc://"):]
+            if not os.path.exists(path):
+                hint = f"; there is no socket at {path}: is the daemon running with this runtime dir?"
+            elif not os.access(path, os.W_OK):
+                hint = f"; you have no write access to {path} (join the daemon's group)"
+        elif self.address.startswith("tcp://") and self.curve_keys is None:
+            hint = "; tcp:// needs CURVE keys (--server-key/--client-key)"
+        return (f"no reply to {cmd!r} from {self.address} within {budget:g} s "
+                f"({attempts} attempt{'s' if attempts > 1 else ''}){hint}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ControlClient({self.address!r}, timeout={self.timeout})"
+
+
+@dataclass(frozen=True)
+class Event:
+    topic: str
+    data: dict[str, Any]
+
+
+class EventStream:
+    """Follows the daemon's PUB events (best-effort: a late joiner misses earlier ones)."""
+
+    def __init__(self, address: str, topics: tuple[str, ...] = ("",), *, curve_keys: CurveKeys | None = None,
+                 context: zmq.Context | None = None):
+        self.address = address
+        self._socket = (context or zmq.Context.instance()).socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        if curve_keys is not None:
+            curve_keys.apply(self._socket)
+        for topic in topics or ("",):
+            self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._socket.connect(address)
+
+    @classmethod
+    def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:
+        """The event stream of the daemon ``client`` talks to (asks it for the address)."""
+        return cls(client.ping()["events_address"], topics, curve_keys=client.curve_keys)
+
+    def next(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after ``timeout`` seconds (None: wait for ever)."""
+        if not self._socket.poll(None if timeout is None else max(0, int(timeout * 1000)), zmq.POLLIN):
+            return None
+        frames = self._socket.recv_multipart()
+        if len(frames) != 2:
+            raise BadReply(f"an event is 2 frames (topic, JSON), got {len(frames)}")
+        try:
+            data = json.loads(frames[1])
+        except ValueError as exc:
+            raise BadReply(f"event body is not JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("v") != PROTOCOL_VERSION:
+            raise BadReply(f"not a v{PROTOCOL_VERSION} ingestd event: {frames[1][:200]!r}")
+        return Event(frames[0].decode(errors="replace"), data)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.next()
+            if event is not None:
+                yield event
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,284 @@
+"""One small message type per command, and typed results.
+
+A request class declares its arguments as dataclass fields whose metadata
+holds a checker; :meth:`Request.decode` validates untrusted ``args`` and
+payload frames with them (unknown keys, wrong types and out-of-range values
+are ``bad_request``). The client builds the same classes and calls
+:meth:`Request.encode`. ``COMMANDS`` maps wire names to classes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+from ingestd.control.protocol import ErrorCode, RequestError
+from ingestd.errors import BadReply
+
+MAX_WORKERS = 256  # ingestd.collect.stats.MAX_WORKERS (kept import-free: clients need no torch)
+MAX_WAIT_S = 3600.0
+
+Check = Callable[[str, Any], Any]
+
+
+def _fail(name: str, expected: str, value: Any) -> RequestError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    return RequestError(ErrorCode.BAD_REQUEST, f"argument {name!r} must be {expected}, got {shown}")
+
+
+def _int(lo: int, hi: int) -> Check:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise _fail(name, f"an integer in {lo}..{hi}", value)
+        return value
+    return check
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "true or false", value)
+    return value
+
+
+def _seconds(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_WAIT_S:
+        raise _fail(name, f"null or a number of seconds in (0, {MAX_WAIT_S:g}]", value)
+    return float(value)
+
+
+def _workers(name: str, value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(value) > MAX_WORKERS:
+        raise _fail(name, f"null (all) or a non-empty list of at most {MAX_WORKERS} worker indices", value)
+    check = _int(0, MAX_WORKERS - 1)
+    return tuple(sorted({check(f"{name}[{i}]", v) for i, v in enumerate(value)}))
+
+
+def arg(default: Any, check: Check) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+def _timeout() -> Any:
+    return arg(None, _seconds)
+
+
+# -- requests -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """Base of every command message."""
+
+    cmd: ClassVar[str]
+    payload_frames: ClassVar[tuple[int, int]] = (0, 0)  # (min, max) binary frames after the header
+    idempotent: ClassVar[bool] = True  # the client may resend it after a timeout
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], payload: Sequence[Any]) -> Request:
+        """Build from untrusted ``args`` and payload frames; ``RequestError`` if they do not fit."""
+        lo, hi = cls.payload_frames
+        if not lo <= len(payload) <= hi:
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{cls.cmd} takes {want} payload frame(s), got {len(payload)}")
+        fields = {f.name: f for f in dataclasses.fields(cls) if "check" in f.metadata}
+        unknown = sorted(set(args) - set(fields))
+        if unknown:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"{cls.cmd} has no argument(s) {unknown[:5]}; it takes {sorted(fields) or 'none'}")
+        values = {name: f.metadata["check"](name, args[name]) for name, f in fields.items() if name in args}
+        return cls._build(values, tuple(payload))
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
+        return cls(**values)
+
+    def encode(self) -> tuple[dict[str, Any], list[Any]]:
+        """``(args, payload frames)`` for the wire."""
+        args = {}
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                value = getattr(self, f.name)
+                args[f.name] = list(value) if isinstance(value, tuple) else value
+        return args, []
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long the daemon may wait for workers, as asked (None: its ack_timeout_s)."""
+        return getattr(self, "timeout_s", None)
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    cmd: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class GetStatus(Request):
+    cmd: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class GetConfig(Request):
+    cmd: ClassVar[str] = "config"
+
+
+@dataclass(frozen=True)
+class Pause(Request):
+    cmd: ClassVar[str] = "pause"
+    timeout_s: float | None = _timeout()
+
+
+@dataclass(frozen=True)
+class Resume(Request):
+    cmd: ClassVar[str] = "resume"
+    timeout_s: float | None = _timeout()
+
+
+@dataclass(frozen=True)
+class Restart(Request):
+    cmd: ClassVar[str] = "restart"
+    idempotent: ClassVar[bool] = False
+    workers: tuple[int, ...] | None = arg(None, _workers)
+    wait: bool = arg(True, _bool)
+    timeout_s: float | None = _timeout()
+
+
+@dataclass(frozen=True)
+class Scale(Request):
+    cmd: ClassVar[str] = "scale"
+    count: int = arg(None, _int(0, MAX_WORKERS))
+    wait: bool = arg(True, _bool)
+    timeout_s: float | None = _timeout()
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
+        if "count" not in values:
+            raise RequestError(ErrorCode.BAD_REQUEST, "scale needs argument 'count' (the number of workers)")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PushWeights(Request):
+    """Payload: the weights wire format (``ingestd.weights.encode``): manifest JSON + lz4 frame."""
+
+    cmd: ClassVar[str] = "push_weights"
+    payload_frames: ClassVar[tuple[int, int]] = (2, 2)
+    idempotent: ClassVar[bool] = False
+    wait: bool = arg(True, _bool)
+    timeout_s: float | None = _timeout()
+    frames: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
+        return cls(**values, frames=payload)
+
+    def encode(self) -> tuple[dict[str, Any], list[Any]]:
+        args, _ = super().encode()
+        return args, list(self.frames)
+
+
+@dataclass(frozen=True)
+class Reload(Request):
+    cmd: ClassVar[str] = "reload"
+
+
+COMMANDS: dict[str, type[Request]] = {
+    cls.cmd: cls for cls in (Ping, GetStatus, GetConfig, Pause, Resume, Restart, Scale, PushWeights, Reload)
+}
+
+
+# -- results ----------------------------------------------------------------------
+class Result:
+    """Typed results: ``to_json`` on the daemon, ``from_json`` (lenient about extra keys) on the client."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-able dicts (shallow: cheap enough for status at thousands of requests/s)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, obj: Any):
+        if not isinstance(obj, dict):
+            raise BadReply(f"{cls.__name__}: expected a JSON object, got {type(obj).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        missing = sorted(n for n in names if n not in obj)
+        if missing:
+            raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?")
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Result):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerStatus(Result):
+    index: int
+    state: str
+    pid: int
+    incarnation: int
+    frames: int
+    frames_per_s: float
+    episodes: int
+    last_return: float | None
+    restarts: int
+    weights_version: int
+    heartbeat_age_s: float | None
+    error: str
+
+
+@dataclass(frozen=True)
+class ReplayStatus(Result):
+    path: str
+    rows: int
+    capacity: int
+    write_count: int
+
+
+@dataclass(frozen=True)
+class Status(Result):
+    pid: int
+    uptime_s: float
+    desired: str
+    count: int  # workers wanted (scale)
+    weights_version: int
+    replay: ReplayStatus
+    workers: list[WorkerStatus]
+    config: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Status:
+        plain = Result.from_json.__func__(cls, obj)  # type: ignore[attr-defined]
+        if not isinstance(plain.workers, list):
+            raise BadReply("status 'workers' must be a list")
+        return dataclasses.replace(plain, replay=ReplayStatus.from_json(plain.replay),
+                                   workers=[WorkerStatus.from_json(w) for w in plain.workers])
+
+
+@dataclass(frozen=True)
+class Acked(Result):
+    """pause / resume / restart / scale: which workers acknowledged, and how long it took."""
+
+    workers: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Pushed(Result):
+    version: int
+    applied: list[int]  # live workers that applied it before the reply (wait=true)
+    deferred: list[int]  # paused workers: they apply it before their next chunk
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reloaded(Result):
+    applied: list[str]
+    not_applied: list[str]  # changed keys that need a restart of the daemon

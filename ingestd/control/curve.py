@@ -1,0 +1,159 @@
+"""CURVE keys for the control plane: key files, and the ZAP authenticator.
+
+Key files use ZeroMQ's certificate format (what ``zmq.auth.load_certificate``
+reads): ``NAME.key`` holds the public key, ``NAME.key_secret`` the public and
+secret key. Secret files are created with mode 0600 from the start (never
+written first and chmod-ed later). The daemon authorises a client when the
+client's ``NAME.key`` sits in ``control.curve_authorized_keys``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+import zmq
+
+log = logging.getLogger("ingestd.control")
+
+_Z85_KEY = re.compile(rb"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
+_BANNER = """#   ****  Generated on {now} by ingestctl keygen  ****
+#   ZeroMQ CURVE {kind} Certificate
+#   {advice}
+
+metadata
+curve
+    public-key = "{public}"
+"""
+
+
+class KeyFileError(ValueError):
+    """A CURVE key file is missing, unreadable, or not a ZeroMQ certificate."""
+
+
+def keygen(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (0644) and ``NAME.key_secret`` (0600) in ``directory``; return both paths."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
+        raise ValueError(f"key name {name!r} must be letters, digits, '_', '-' or '.' (a file name)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public, secret = zmq.curve_keypair()
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
+    secret_text = _BANNER.format(now=now, kind="**Secret**", public=public.decode(),
+                                 advice="DO NOT share this file or loosen its permissions (0600).")
+    secret_text += f'    secret-key = "{secret.decode()}"\n'
+    public_text = _BANNER.format(now=now, kind="Public", public=public.decode(),
+                                 advice="Copy this file into the daemon's control.curve_authorized_keys directory.")
+    _write(secret_path, secret_text, 0o600, force)
+    _write(public_path, public_text, 0o644, force)
+    return public_path, secret_path
+
+
+def _write(path: Path, text: str, mode: int, force: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+    fd = os.open(path, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # O_CREAT honours the umask, and an existing file keeps its mode: set it
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise KeyFileError(f"cannot read CURVE key file {path}: {exc.strerror}") from None
+    found: dict[bytes, bytes] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        for field in (b"public-key", b"secret-key"):
+            if line.startswith(field) and b"=" in line:
+                found[field] = line.split(b"=", 1)[1].strip(b" \t'\"")
+    keys = []
+    for field in (b"public-key", b"secret-key"):
+        value = found.get(field)
+        if value is not None and not _Z85_KEY.fullmatch(value):
+            raise KeyFileError(f"{path}: {field.decode()} is not a 40-character Z85 key")
+        keys.append(value)
+    return keys[0], keys[1]
+
+
+def load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """``(public, secret)`` from a ``.key_secret`` file; warns if others can read it."""
+    path = Path(path)
+    public, secret = _read_keys(path)
+    if public is None or secret is None:
+        raise KeyFileError(f"{path} holds no secret key; use the NAME.key_secret file from `ingestctl keygen`")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("CURVE secret key %s has mode %04o; other users may read it: chmod 600 it", path, mode)
+    return public, secret
+
+
+def load_public(spec: str | bytes | os.PathLike) -> bytes:
+    """A public key given as its 40-character Z85 text or as a key file (``.key`` or ``.key_secret``)."""
+    raw = spec.encode() if isinstance(spec, str) else spec
+    if isinstance(raw, bytes) and _Z85_KEY.fullmatch(raw) and not Path(os.fsdecode(raw)).exists():
+        return raw
+    public, _ = _read_keys(Path(os.fsdecode(spec)))
+    if public is None:
+        raise KeyFileError(f"{spec}: no public-key line; is it a ZeroMQ CURVE certificate?")
+    return public
+
+
+def make_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, server_public: bytes, client_secret_file: str | os.PathLike) -> None:
+    public, secret = load_secret(client_secret_file)
+    sock.curve_serverkey = server_public
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+
+
+class Authenticator:
+    """The ZAP handler of one context: lets in the clients whose public keys are in ``directory``."""
+
+    def __init__(self, context: zmq.Context, directory: str | os.PathLike):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise KeyFileError(f"control.curve_authorized_keys {self.directory} is not a directory")
+        self._keys: frozenset[bytes] = frozenset()
+        self._auth = ThreadAuthenticator(context, log=logging.getLogger("ingestd.control.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+        self.reload()
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """Called by the ZAP thread for each CURVE handshake (``client_key`` in Z85)."""
+        allowed = client_key in self._keys
+        if not allowed:
+            log.warning("CURVE: refused a client with unknown public key %s", client_key.decode(errors="replace"))
+        return allowed
+
+    def reload(self) -> int:
+        """(Re-)read the authorised keys (at start and on every reload); returns how many."""
+        keys = set()
+        for path in sorted(self.directory.glob("*.key")):
+            try:
+                public, _ = _read_keys(path)
+            except KeyFileError as exc:
+                log.warning("CURVE: skipping %s", exc)
+                continue
+            if public is not None:
+                keys.add(public)
+        self._keys = frozenset(keys)  # one assignment: the ZAP thread sees the old or the new set
+        log.info("CURVE: %d authorised client key(s) in %s", len(keys), self.directory)
+        return len(keys)
+
+    def stop(self) -> None:
+        self._auth.stop()

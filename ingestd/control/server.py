@@ -1,0 +1,317 @@
+"""The ZeroMQ control server: one thread owns the ROUTER and PUB sockets.
+
+- The control thread receives every request, answers the fast ones (ping,
+  status, config) inline from shared memory, and hands slow ones to a small
+  thread pool. Finished slow commands and daemon events come back through a
+  queue plus a wake-up pipe that the thread polls next to the ROUTER, so only
+  the control thread ever touches a socket (zmq sockets are not thread-safe)
+  and a pause waiting for acks never delays a ping.
+- Every request is checked against the limits (``MAXMSGSIZE`` per frame on
+  the socket; frame count and total size here) before it is parsed.
+- ipc:// sockets are created 0660 or stricter; tcp:// requires CURVE.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ingestd.collect.stats import State
+from ingestd.control import curve
+from ingestd.control.commands import COMMANDS
+from ingestd.control.handlers import HANDLERS, Context, Handler
+from ingestd.control.protocol import (
+    PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
+)
+from ingestd.errors import ConfigError
+
+log = logging.getLogger("ingestd.control")
+
+POOL_THREADS = 4
+MAX_SLOW_IN_FLIGHT = 16  # beyond this, slow commands get ``busy``
+MAX_PUSHES_IN_FLIGHT = 2  # each holds a payload of up to max_message_bytes
+HOUSEKEEPING_S = 0.25  # frame-rate samples and weights.applied events
+RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbox again
+STOP_JOIN_S = 5.0
+INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
+
+
+def bind_private(sock: zmq.Socket, address: str) -> None:
+    """Bind; an ipc:// socket file gets mode 0660 or stricter (umask around bind, then chmod)."""
+    path = address[len("ipc://"):] if address.startswith("ipc://") and not address.startswith("ipc://@") else None
+    if path is None:
+        sock.bind(address)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    old = os.umask(0o117)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    os.chmod(path, os.stat(path).st_mode & 0o660)
+
+
+class ControlServer:
+    """The daemon's control service: ``start(daemon)`` binds and starts the thread; ``stop()``."""
+
+    def __init__(self, config, *, pool_threads: int = POOL_THREADS):
+        self.config = config
+        self.pool_threads = pool_threads
+        self._thread: threading.Thread | None = None
+        self._context: zmq.Context | None = None
+        self._auth: curve.Authenticator | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r = self._wake_w = -1
+        self._slow_in_flight = 0
+        self._pushes_in_flight = 0
+        self._event_seq = 0
+        self._applied: dict[int, int] = {}
+        self._files: list[str] = []
+
+    # -- lifecycle (main thread) -------------------------------------------------------
+    def start(self, daemon) -> None:
+        c, paths = self.config.control, daemon.paths
+        self.limits = Limits(max_frames=c.max_frames, max_total_bytes=c.max_message_bytes)
+        self._context = zmq.Context()
+        try:
+            keys = self._setup_curve(paths)
+            self._router = self._socket(zmq.ROUTER, paths.control, keys, {
+                zmq.MAXMSGSIZE: c.max_message_bytes, zmq.RCVHWM: 256, zmq.SNDHWM: 1024})
+            self._pub = self._socket(zmq.PUB, paths.events, keys, {zmq.SNDHWM: 10_000, zmq.MAXMSGSIZE: 1024})
+        except BaseException:
+            self._close_all()
+            raise
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.ctx = Context(daemon, paths.events, publish=self.publish, on_reload=self._reload_keys)
+        self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
+        daemon.subscribe(self.publish)
+        self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
+        self._thread.start()
+        log.info("control: %s, events: %s%s", paths.control, paths.events, " (CURVE)" if keys else "")
+
+    def _setup_curve(self, paths) -> tuple[bytes, bytes] | None:
+        needs = any(a.startswith("tcp://") for a in (paths.control, paths.events))
+        if paths.curve_secret_key is None or paths.curve_authorized_keys is None:
+            if needs:
+                raise ConfigError("control.address", "a tcp:// bind requires control.curve_secret_key and "
+                                                     "control.curve_authorized_keys")
+            return None
+        try:
+            keys = curve.load_secret(paths.curve_secret_key)
+            self._auth = curve.Authenticator(self._context, paths.curve_authorized_keys)
+        except curve.KeyFileError as exc:
+            raise ConfigError("control.curve_secret_key", str(exc)) from None
+        return keys
+
+    def _socket(self, kind: int, address: str, keys: tuple[bytes, bytes] | None, options: dict) -> zmq.Socket:
+        """A socket with its options set *before* bind (a listener copies them when it binds)."""
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        if keys is not None:
+            curve.make_server(sock, *keys)
+        bind_private(sock, address)
+        if address.startswith("ipc://") and not address.startswith("ipc://@"):
+            self._files.append(address[len("ipc://"):])
+        return sock
+
+    def _reload_keys(self) -> None:
+        if self._auth is not None:
+            self._auth.reload()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            self._close_all()
+            return
+        self.ctx.stopping.set()
+        self._wake()
+        self._thread.join(STOP_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("control thread did not stop within %.0f s", STOP_JOIN_S)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # waiters see ``stopping`` and return at once
+        self._thread = None
+        wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+        for fd in (wake_r, wake_w):
+            os.close(fd)
+        self._close_all()
+
+    def _close_all(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._files.clear()
+
+    # -- thread-safe entry points --------------------------------------------------------
+    def publish(self, kind: str, **fields: Any) -> None:
+        """Queue an event for the PUB socket (any thread; the daemon's listener signature)."""
+        self._outbox.put(("event", kind, fields))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wake_w < 0:
+            return
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):  # pipe full: a wake-up is pending anyway
+            pass
+
+    # -- the control thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_housekeeping = 0.0
+        try:
+            while not self.ctx.stopping.is_set():
+                ready = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
+                if self._router in ready:
+                    self._drain_router()
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                self._flush_outbox()
+                now = time.monotonic()
+                if now >= next_housekeeping:
+                    next_housekeeping = now + HOUSEKEEPING_S
+                    self._housekeeping(now)
+        except Exception:
+            log.exception("control thread crashed; control requests will go unanswered")
+        finally:
+            self._flush_outbox()
+
+    def _drain_router(self) -> None:
+        for _ in range(RECV_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # never let one request take the thread down
+                log.exception("control: unexpected error while handling a request")
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        route, body = _split_route(frames)
+        request_id, cmd = None, INVALID
+        try:
+            self.limits.check_sizes([len(f) for f in body])
+            head = body[0].bytes
+            try:
+                header = parse_header(head)
+            except RequestError:
+                request_id = peek_id(head)  # answer with the id if it can be found
+                raise
+            request_id = header.id
+            request_cls = COMMANDS.get(header.cmd)
+            if request_cls is None:
+                raise RequestError(ErrorCode.UNKNOWN_COMMAND,
+                                   f"no command {header.cmd[:64]!r}; commands are {sorted(COMMANDS)}")
+            cmd = header.cmd
+            request = request_cls.decode(header.args, [f.buffer for f in body[1:]])
+            handler = HANDLERS[request_cls]
+            if handler.fast:
+                self._reply(route, cmd, encode_result(request_id, handler.run(self.ctx, request)), "ok")
+            else:
+                self._start_slow(route, cmd, request_id, handler, request)
+        except RequestError as exc:
+            self._reply(route, cmd, encode_error(request_id, exc.code, exc.message), exc.code.value)
+        except Exception as exc:
+            log.exception("control: %s failed", cmd)
+            self._reply(route, cmd, encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"),
+                        ErrorCode.INTERNAL.value)
+
+    def _start_slow(self, route, cmd: str, request_id, handler: Handler, request) -> None:
+        is_push = cmd == "push_weights"
+        if self._slow_in_flight >= MAX_SLOW_IN_FLIGHT or (is_push and self._pushes_in_flight >= MAX_PUSHES_IN_FLIGHT):
+            raise RequestError(ErrorCode.BUSY, f"too many {cmd if is_push else 'slow'} commands in flight; retry "
+                                               "after the current ones finish")
+        self._slow_in_flight += 1
+        self._pushes_in_flight += is_push
+        self._pool.submit(self._run_slow, route, cmd, request_id, handler, request, is_push)
+
+    def _run_slow(self, route, cmd: str, request_id, handler: Handler, request, is_push: bool) -> None:
+        """Pool thread: run the handler, queue the reply for the control thread."""
+        try:
+            reply, outcome = encode_result(request_id, handler.run(self.ctx, request)), "ok"
+        except RequestError as exc:
+            reply, outcome = encode_error(request_id, exc.code, exc.message), exc.code.value
+        except Exception as exc:
+            log.exception("control: %s failed", cmd)
+            reply = encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            outcome = ErrorCode.INTERNAL.value
+        self._outbox.put(("reply", route, cmd, reply, outcome, is_push))
+        self._wake()
+
+    def _reply(self, route: list, cmd: str, reply: bytes, outcome: str) -> None:
+        self.ctx.daemon.telemetry.observe_request(cmd, outcome)
+        try:
+            self._router.send_multipart([*route, reply], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # peer gone or its queue full: replies are not retried; the client retries
+            pass
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "reply":
+                _, route, cmd, reply, outcome, is_push = item
+                self._slow_in_flight -= 1
+                self._pushes_in_flight -= is_push
+                self._reply(route, cmd, reply, outcome)
+            else:
+                self._send_event(item[1], item[2])
+
+    def _send_event(self, kind: str, fields: dict) -> None:
+        self._event_seq += 1
+        try:
+            body = dumps({"v": PROTOCOL_VERSION, "event": kind, "seq": self._event_seq, "time": time.time(),
+                          **{k: v for k, v in fields.items() if k not in ("v", "event", "seq", "time")}})
+        except (TypeError, ValueError):
+            body = dumps({"v": PROTOCOL_VERSION, "event": kind, "seq": self._event_seq, "time": time.time(),
+                          "fields": repr(fields)[:1000]})
+        try:
+            self._pub.send_multipart([kind.encode(), body], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # best-effort: state stays queryable over the ROUTER
+
+    def _housekeeping(self, now: float) -> None:
+        daemon = self.ctx.daemon
+        if daemon.layout is None or daemon.supervisor is None:
+            return
+        stats = daemon.layout.stats
+        frames = {}
+        for index in self.ctx.slots():
+            rec = stats[index]
+            frames[index] = int(rec["frames"])
+            version = int(rec["weights_version"])
+            if version and self._applied.get(index) not in (None, version) and int(rec["state"]) != State.EMPTY:
+                self._send_event("weights.applied", {"worker": index, "version": version})
+            self._applied[index] = version
+        self.ctx.rates.sample(now, frames)
+
+
+def _split_route(frames: list[zmq.Frame]) -> tuple[list, list]:
+    """``(routing envelope, body)``: a REQ peer adds an empty delimiter, a DEALER does not."""
+    if len(frames) >= 2 and len(frames[1]) == 0:
+        return [frames[0], b""], frames[2:]
+    return [frames[0]], frames[1:]

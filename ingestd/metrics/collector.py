@@ -1,0 +1,253 @@
+"""The scrape-time collector: shared stats blocks, replay header, weight store.
+
+Nothing is pushed to the daemon per frame. At each scrape the collector
+copies the live worker records out of the shared stats block (one numpy
+fancy-index copy, at most ``MAX_WORKERS`` records), reads the replay header's
+``write_count`` and the weight store's version, and turns them into metric
+families. The only state it keeps is the episode-return histogram, fed from
+each worker's returns ring since the previous scrape.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from ingestd.collect.stats import RING, State, StatsBlock
+from ingestd.service.telemetry import Telemetry
+
+log = logging.getLogger("ingestd.metrics")
+
+# Upper bounds of the episode-return buckets: symmetric, roughly 1-2-5 per decade, so that
+# CartPole (0..500), Atari-scale scores and negative-reward tasks all land in useful buckets.
+_POSITIVE = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000)
+RETURN_BUCKETS: tuple[float, ...] = tuple(float(-b) for b in reversed(_POSITIVE)) + (0.0,) + tuple(
+    float(b) for b in _POSITIVE)
+
+# States exported by the one-hot gauge (an EMPTY record is not a worker).
+STATES = tuple(s for s in State if s != State.EMPTY)
+_ALIVE_STATES = {int(State.STARTING), int(State.RUNNING), int(State.PAUSED), int(State.STOPPING)}
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    version: str
+    python: str
+    torch: str
+
+    @classmethod
+    def current(cls) -> "BuildInfo":
+        import platform
+
+        import ingestd
+
+        try:
+            import torch
+            torch_version = torch.__version__
+        except ImportError:  # pragma: no cover - torch is a hard dependency of the daemon
+            torch_version = "none"
+        return cls(ingestd.__version__, platform.python_version(), str(torch_version))
+
+
+def child_alive(pid: int, parent: int) -> bool:
+    """True if ``pid`` is a live (non-zombie) child of ``parent`` (guards against PID reuse)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in (b"Z", b"X") and int(fields[1]) == parent
+
+
+class ReturnHistogram:
+    """A cumulative histogram of episode returns, fed from per-worker rings by a cursor."""
+
+    def __init__(self, buckets: Sequence[float] = RETURN_BUCKETS):
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError("episode-return buckets must be strictly increasing")
+        self.bounds = tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last one is (max bound, +Inf)
+        self._sum = 0.0  # exported only if every bucket bound is >= 0
+        self.dropped = 0
+        self._cursor: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def feed(self, worker: int, count: int, ring: np.ndarray) -> None:
+        """Observe the returns finished since this worker's last ``count`` (the ring holds the last RING)."""
+        with self._lock:
+            seen = self._cursor.get(worker, 0)
+            if count < seen:  # the record was recreated: start over
+                seen = 0
+            fresh = count - seen
+            take = min(fresh, len(ring))
+            self.dropped += fresh - take
+            for k in range(count - take, count):
+                value = float(ring[k % len(ring)])
+                if np.isfinite(value):
+                    self._counts[bisect.bisect_left(self.bounds, value)] += 1
+                    self._sum += value
+            self._cursor[worker] = count
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative = np.cumsum(counts).tolist()
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)]
+        buckets.append(("+Inf", cumulative[-1]))
+        # With a negative bucket prometheus_client leaves out _sum and _count (OpenMetrics: a sum of
+        # negative values can decrease, so it is no counter); the count is the +Inf bucket.
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+class IngestdCollector(Collector):
+    """Reads ingestd's shared state at scrape time. Every source comes in as an argument.
+
+    ``commands`` are pre-initialised at 0 (outcome ``ok``) so that dashboards show zeros, not gaps.
+    """
+
+    def __init__(self, stats: StatsBlock, storage, weights, telemetry: Telemetry, started_at: float,
+                 desired_workers: Callable[[], int] = lambda: 0, build: BuildInfo | None = None,
+                 clock: Callable[[], float] = time.monotonic, parent_pid: int | None = None,
+                 return_buckets: Sequence[float] = RETURN_BUCKETS, commands: Iterable[str] = ()):
+        self.stats, self.storage, self.weights, self.telemetry = stats, storage, weights, telemetry
+        self.started_at, self.desired_workers = started_at, desired_workers
+        self.build = build or BuildInfo.current()
+        self.clock = clock
+        self.parent_pid = os.getpid() if parent_pid is None else parent_pid
+        self.returns = ReturnHistogram(return_buckets)
+        self.commands = tuple(commands)
+        self._errors: dict[str, int] = {}
+
+    # -- the scrape -----------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        t0 = time.perf_counter()
+        families: list[Metric] = []
+        for section, build in (("workers", self._workers), ("replay", self._replay),
+                               ("control", self._control), ("service", self._service)):
+            try:
+                families.extend(build())
+            except Exception:  # one broken source must not blank the whole scrape
+                self._errors[section] = self._errors.get(section, 0) + 1
+                log.exception("metrics: reading %s failed", section)
+        errors = CounterMetricFamily("ingestd_scrape_errors", "Scrapes in which reading a section of the "
+                                     "shared state failed (see the daemon log).", labels=["section"])
+        for section in ("workers", "replay", "control", "service"):
+            errors.add_metric([section], self._errors.get(section, 0))
+        families.append(errors)
+        families.append(GaugeMetricFamily("ingestd_scrape_duration_seconds",
+                                          "Time this scrape took to read the shared state.",
+                                          value=time.perf_counter() - t0))
+        yield from families
+
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, records) of every non-empty worker slot, copied out of shared memory."""
+        records = self.stats.records
+        indices = np.flatnonzero(records["state"] != int(State.EMPTY))
+        return indices, records[indices]  # fancy indexing copies: later reads are self-consistent
+
+    def _workers(self) -> list[Metric]:
+        indices, recs = self._snapshot()
+        current = self._weights_version()
+        now = self.clock()
+        by_worker = {
+            "frames": CounterMetricFamily("ingestd_frames", "Transitions (env steps x sub-envs) written by "
+                                          "the worker.", labels=["worker"]),
+            "episodes": CounterMetricFamily("ingestd_episodes", "Episodes finished by the worker.",
+                                            labels=["worker"]),
+            "restarts": CounterMetricFamily("ingestd_worker_restarts", "Times the supervisor restarted the "
+                                            "worker (crash, hang or restart command).", labels=["worker"]),
+            "up": GaugeMetricFamily("ingestd_worker_up", "1 if the worker process is alive, else 0.",
+                                    labels=["worker"]),
+            "heartbeat": GaugeMetricFamily("ingestd_worker_heartbeat_age_seconds", "Seconds since the worker's "
+                                           "last heartbeat.", labels=["worker"]),
+            "version": GaugeMetricFamily("ingestd_worker_weights_version", "Weights version the worker has "
+                                         "applied (0: none yet).", labels=["worker"]),
+            "lag": GaugeMetricFamily("ingestd_policy_lag_versions", "Current weights version minus the "
+                                     "worker's applied version (0 when the policy has no weights).",
+                                     labels=["worker"]),
+            "mean": GaugeMetricFamily("ingestd_worker_episode_return_mean", "Mean return of the worker's "
+                                      f"last {RING} finished episodes (absent before the first one).",
+                                      labels=["worker"]),
+            "limiter_s": CounterMetricFamily("ingestd_limiter_blocked_seconds", "Time the worker spent held "
+                                             "back by the rate limiter.", labels=["worker"]),
+            "limiter_n": CounterMetricFamily("ingestd_limiter_waits", "Times the rate limiter held the "
+                                             "worker back.", labels=["worker"]),
+        }
+        state = GaugeMetricFamily("ingestd_worker_state", "1 for the worker's current state, 0 for the others.",
+                                  labels=["worker", "state"])
+        for index, rec in zip(indices.tolist(), recs):
+            w = [str(index)]
+            applied = int(rec["weights_version"])
+            alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
+            by_worker["frames"].add_metric(w, int(rec["frames"]))
+            by_worker["episodes"].add_metric(w, int(rec["episodes"]))
+            by_worker["restarts"].add_metric(w, int(rec["restarts"]))
+            by_worker["up"].add_metric(w, 1 if alive else 0)
+            by_worker["heartbeat"].add_metric(w, max(0.0, now - float(rec["heartbeat"])))
+            by_worker["version"].add_metric(w, applied)
+            by_worker["lag"].add_metric(w, max(0, current - applied) if current > 0 else 0)
+            by_worker["limiter_s"].add_metric(w, float(rec["limiter_blocked_s"]))
+            by_worker["limiter_n"].add_metric(w, int(rec["limiter_waits"]))
+            recent = rec["returns"][:min(int(rec["returns_count"]), RING)]
+            recent = recent[np.isfinite(recent)]
+            if recent.size:
+                by_worker["mean"].add_metric(w, float(recent.mean()))
+            for s in STATES:
+                state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
+            self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
+        return [*by_worker.values(), state,
+                GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
+                                  value=int(self.desired_workers())),
+                GaugeMetricFamily("ingestd_weights_version", "Version of the newest weights in the weight store "
+                                  "(0: the policy has no weights).", value=current),
+                self.returns.family("ingestd_episode_return", "Returns of finished episodes, sampled from "
+                                    f"each worker's ring of the last {RING} at scrape time."),
+                CounterMetricFamily("ingestd_episode_returns_dropped", "Finished episodes whose return was "
+                                    "overwritten in the ring before a scrape could read it.",
+                                    value=self.returns.dropped)]
+
+    def _weights_version(self) -> int:
+        return int(self.weights.version) if self.weights is not None else 0
+
+    def _replay(self) -> list[Metric]:
+        writes, capacity = int(self.storage.write_count), int(self.storage.capacity)
+        return [GaugeMetricFamily("ingestd_replay_rows", "Rows currently held by the replay storage.",
+                                  value=min(writes, capacity)),
+                GaugeMetricFamily("ingestd_replay_capacity_rows", "Rows the replay storage can hold.",
+                                  value=capacity),
+                CounterMetricFamily("ingestd_replay_writes", "Rows ever written to the replay storage "
+                                    "(persists across daemon restarts).", value=writes)]
+
+    def _control(self) -> list[Metric]:
+        requests = CounterMetricFamily("ingestd_control_requests", "Control requests answered, by command "
+                                       "and outcome (ok or the error code).", labels=["cmd", "outcome"])
+        seen = self.telemetry.requests()
+        for cmd in self.commands:
+            seen.setdefault((cmd, "ok"), 0)
+        for (cmd, outcome), n in sorted(seen.items()):
+            requests.add_metric([cmd, outcome], n)
+        buckets, count, total = self.telemetry.pushes()
+        push = HistogramMetricFamily(
+            "ingestd_weight_push_seconds", "Time from receiving a weight push to its reply.",
+            buckets=[(floatToGoString(le), n) for le, n in buckets] + [("+Inf", count)], sum_value=total)
+        return [requests, push]
+
+    def _service(self) -> list[Metric]:
+        info = GaugeMetricFamily("ingestd_build_info", "Always 1; the labels name the versions running.",
+                                 labels=["version", "python", "torch"])
+        info.add_metric([self.build.version, self.build.python, self.build.torch], 1)
+        return [info,
+                GaugeMetricFamily("ingestd_up", "1 while the daemon answers scrapes.", value=1),
+                GaugeMetricFamily("ingestd_start_time_seconds", "Unix time the daemon started.",
+                                  value=self.started_at)]

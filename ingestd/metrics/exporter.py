@@ -1,0 +1,71 @@
+"""The metrics HTTP exporter: a daemon service serving ``/metrics``.
+
+prometheus_client lives in the daemon process only; workers never import it.
+The exporter has its own ``CollectorRegistry`` (never the global one) holding
+the ingestd collector and the standard process collector.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+
+from ingestd.errors import ConfigError
+from ingestd.metrics.collector import IngestdCollector
+
+log = logging.getLogger("ingestd.metrics")
+
+
+def collector_for(daemon) -> IngestdCollector:
+    """The collector wired to a started daemon's shared objects."""
+    from ingestd.control.commands import COMMANDS
+
+    layout = daemon.layout
+    return IngestdCollector(layout.stats, layout.storage, layout.weights, daemon.telemetry, daemon.started_at,
+                            desired_workers=lambda: daemon.config.workers.count, commands=sorted(COMMANDS))
+
+
+class MetricsExporter:
+    """``start(daemon)`` binds ``[metrics] address:port`` and serves; ``stop()`` shuts the server down."""
+
+    def __init__(self, config, registry: CollectorRegistry | None = None):
+        self.settings = config.metrics
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._server = None
+        self._thread = None
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound (host, port), once started."""
+        return None if self._server is None else tuple(self._server.server_address[:2])
+
+    def start(self, daemon) -> None:
+        self.registry.register(collector_for(daemon))
+        ProcessCollector(registry=self.registry)
+        host, port = self.settings.address, self.settings.port
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            hint = ("another process holds the port: choose another metrics.port or stop that process"
+                    if exc.errno == errno.EADDRINUSE else "check metrics.address")
+            raise ConfigError("metrics.port", f"cannot serve metrics on {_url(host, port)}: "
+                                              f"{exc.strerror or exc}; {hint}") from exc
+        bound_host, bound_port = self.address
+        log.info("serving metrics on %s/metrics", _url(bound_host, bound_port))
+        if bound_host in ("0.0.0.0", "::"):
+            log.warning("metrics bound to all interfaces (%s); anyone who can reach this host can read them",
+                        bound_host)
+
+    def stop(self) -> None:
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(5.0)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

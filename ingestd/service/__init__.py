@@ -1,0 +1,1 @@
+"""The daemon: config, supervisor, signals, sd_notify (see ``ingestd.service.config``)."""

@@ -1,0 +1,393 @@
+"""ingestd's configuration: TOML in, frozen dataclasses out, checked in one place.
+
+- :func:`load_config` reads a file (or the embedded :data:`DEFAULT_TOML`),
+  applies ``section.key=value`` overrides, and hands the raw tables to
+  :func:`config_from_dict`, the one place where values are checked. Every
+  error is a :class:`~ingestd.errors.ConfigError` naming the key
+  (``section.key``) and what it accepts.
+- :func:`config_to_toml` writes the effective config back (commented); it
+  loads to an equal :class:`Config`.
+- :func:`reference` lists every key with its default and doc (README).
+- :func:`reloadable_diff` splits a SIGHUP's changes into live and restart.
+- :func:`resolve_paths` / :func:`default_control_address` turn empty
+  ("default") settings into concrete paths; they take ``environ`` as an
+  argument and read nothing from the process environment themselves.
+
+The schema (sections, keys, defaults, docs, rules) is declared in
+:mod:`ingestd.service.config_schema`.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from ingestd.errors import ConfigError
+from ingestd.service.config_schema import (
+    ENV_ALIASES, LOG_LEVELS, MAX_WORKERS, SECTIONS, Address, Config, ControlConfig, FrozenTable, MetricsConfig,
+    ReplayConfig, ServiceConfig, WorkersConfig, check_ipc_length, section_keys, suggest, toml_key, toml_value,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "Config", "ServiceConfig", "ReplayConfig", "WorkersConfig", "ControlConfig", "MetricsConfig",
+    "FrozenTable", "ResolvedPaths", "DEFAULT_TOML", "LIVE_KEYS", "ENV_ALIASES", "LOG_LEVELS", "MAX_WORKERS",
+    "load_config", "check_file", "config_from_dict", "config_to_toml", "with_overrides", "reference",
+    "reloadable_diff", "min_replay_capacity", "resolve_paths", "default_data_dir", "default_runtime_dir",
+    "default_control_address",
+]
+
+BUILTIN = "<built-in default>"
+
+
+def _settings(config: Config | None = None) -> Iterator[tuple[str, Any, Any]]:
+    """``(section.key, field, value)`` for every setting, in schema order (value from ``config``)."""
+    for name, cls in SECTIONS.items():
+        section = getattr(config, name) if config is not None else None
+        for f in fields(cls):
+            yield f"{name}.{f.name}", f, getattr(section, f.name) if section is not None else f.default
+
+
+LIVE_KEYS: frozenset[str] = frozenset(key for key, f, _ in _settings() if f.metadata["live"])
+
+
+# -- checking: the one place ----------------------------------------------------
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Check raw TOML tables (``{"workers": {"count": 4}, ...}``) and build the frozen :class:`Config`.
+
+    Missing sections and keys take their defaults. Raises :class:`ConfigError`.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError("<config>", f"expected a table of sections, got {type(data).__name__}")
+    sections: dict[str, Any] = {}
+    for name, raw in data.items():
+        if name not in SECTIONS:
+            raise _unknown_section(name, raw)
+        sections[name] = _section_from_dict(name, SECTIONS[name], raw)
+    config = Config(**sections)
+    _check_workers(config)
+    _check_control(config.control)
+    return config
+
+
+def _section_from_dict(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, f"[{name}] must be a table of keys (e.g. {name}.{section_keys(cls)[0]} = ...), "
+                                f"got {toml_value(raw) if _is_toml(raw) else type(raw).__name__}")
+    by_name = {f.name: f for f in fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        f = by_name.get(key)
+        if f is None:
+            raise _unknown_key(name, key)
+        values[key] = f.metadata["rule"].check(f"{name}.{key}", value)
+    return cls(**values)
+
+
+def _is_toml(value: Any) -> bool:
+    try:
+        toml_value(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _owner_of(key: str) -> str | None:
+    """The section holding a key of that name, if any."""
+    return next((name for name, cls in SECTIONS.items() if key in section_keys(cls)), None)
+
+
+def _unknown_section(name: str, raw: Any) -> ConfigError:
+    owner = _owner_of(name)
+    if not isinstance(raw, Mapping) and owner:
+        return ConfigError(name, f"keys belong inside a section: write it as {owner}.{name} (under [{owner}])")
+    return ConfigError(name, f"unknown section [{name}]; sections are {', '.join(SECTIONS)}"
+                             f"{suggest(name, SECTIONS)}")
+
+
+def _unknown_key(section: str, key: str) -> ConfigError:
+    valid = section_keys(SECTIONS[section])
+    owner = _owner_of(key)
+    if owner:
+        hint = f"; {key!r} belongs in [{owner}]: {owner}.{key}"
+    else:
+        close = suggest(key, valid)
+        hint = close.replace("mean '", f"mean '{section}.") if close else ""
+    return ConfigError(f"{section}.{key}", f"unknown key in [{section}]{hint} (valid keys: {', '.join(valid)})")
+
+
+def min_replay_capacity(count: int, num_envs: int, chunk_steps: int) -> int:
+    """Smallest ``replay.capacity`` for which writers can never lap each other mid-write."""
+    return 2 * max(count, 1) * num_envs * chunk_steps
+
+
+def _check_workers(config: Config) -> None:
+    w = config.workers
+    if w.restart_backoff_max_s < w.restart_backoff_s:
+        raise ConfigError("workers.restart_backoff_max_s",
+                          f"must be >= workers.restart_backoff_s ({w.restart_backoff_s:g}), "
+                          f"got {w.restart_backoff_max_s:g}")
+    need = min_replay_capacity(w.count, w.num_envs, w.chunk_steps)
+    if config.replay.capacity < need:
+        raise ConfigError("replay.capacity",
+                          f"must be at least {need} = 2 * max(workers.count, 1) * workers.num_envs * "
+                          f"workers.chunk_steps = 2 * {max(w.count, 1)} * {w.num_envs} * {w.chunk_steps}, "
+                          f"else writers could lap each other mid-write; got {config.replay.capacity}. "
+                          "Raise replay.capacity or lower those")
+
+
+def _check_control(c: ControlConfig) -> None:
+    keys = {"control.curve_secret_key": c.curve_secret_key, "control.curve_authorized_keys": c.curve_authorized_keys}
+    for key, address in (("control.address", c.address), ("control.events_address", c.events_address)):
+        if address.startswith("tcp://") and not all(keys.values()):
+            raise ConfigError(key, f"{address} would listen on the network, which requires CURVE "
+                                   "authentication: run `ingestctl keygen` and set control.curve_secret_key "
+                                   "and control.curve_authorized_keys (or use ipc://, or \"\" for the local "
+                                   "default)")
+    if any(keys.values()) and not all(keys.values()):
+        missing = next(key for key, value in keys.items() if not value)
+        raise ConfigError(missing, "must be set too: CURVE needs both control.curve_secret_key and "
+                                   "control.curve_authorized_keys (or neither)")
+    if c.address and c.address == c.events_address:
+        raise ConfigError("control.events_address", f"must differ from control.address (both are {c.address})")
+
+
+# -- loading --------------------------------------------------------------------
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (``None``: the embedded default), apply ``section.key=value`` overrides, check.
+
+    An override's value is parsed as a TOML value, or taken as a bare string
+    if it does not parse (``workers.env=Checksum``). A deeper key sets one
+    entry of a table (``workers.env_kwargs.max_steps=10``).
+    """
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError("overrides is a sequence of 'section.key=value' strings, not one string")
+    raw = _read_toml(path)
+    for text in overrides:
+        _apply_override(raw, text)
+    return config_from_dict(raw)
+
+
+def check_file(path: str | os.PathLike[str]) -> Config:
+    """``ingestd config check FILE``: load and check ``path``; raises :class:`ConfigError`."""
+    return load_config(path)
+
+
+def with_overrides(config: Config, overrides: Sequence[str]) -> Config:
+    """``config`` with overrides applied, checked again (e.g. ``["workers.count=8"]`` for a scale)."""
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError("overrides is a sequence of 'section.key=value' strings, not one string")
+    raw = config.to_dict()
+    for text in overrides:
+        _apply_override(raw, text)
+    return config_from_dict(raw)
+
+
+def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if path is None:
+        text, where = DEFAULT_TOML, BUILTIN
+    else:
+        where = os.fspath(path)
+        try:
+            text = Path(where).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(where, "config file not found; write one with `ingestd config default > FILE`, "
+                                     "or give no file to use the built-in default") from None
+        except OSError as exc:
+            raise ConfigError(where, f"cannot read the config file: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(where, f"the config file is not UTF-8 text (byte {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(where, f"TOML syntax error: {exc}{_quote_line(text, str(exc))}") from None
+
+
+def _quote_line(text: str, message: str) -> str:
+    match = re.search(r"line (\d+)", message)
+    lines = text.splitlines()
+    if match is None or not 1 <= int(match[1]) <= len(lines):
+        return ""
+    return f"\n  {match[1]} | {lines[int(match[1]) - 1]}"
+
+
+def _apply_override(raw: dict[str, Any], text: str) -> None:
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    parts = name.split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(name or text, f"an override is section.key=value (e.g. workers.count=4), got {text!r}")
+    node = raw
+    for depth, part in enumerate(parts[:-1], start=1):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[:depth]), f"is not a table, so {name} cannot be set inside it")
+        node = child
+    node[parts[-1]] = _override_value(value)
+
+
+def _override_value(text: str) -> Any:
+    """A TOML value (``4``, ``true``, ``{a = 1}``, ``"x"``), else the bare string."""
+    text = text.strip()
+    try:
+        doc = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    return doc["v"] if list(doc) == ["v"] else text
+
+
+# -- writing --------------------------------------------------------------------
+_HEADER = """\
+# ingestd configuration (TOML). Every key is listed with its documentation;
+# empty strings mean "the default" described next to the key.
+# Keys marked "reloadable" are applied live on SIGHUP (systemctl reload ingestd);
+# changing any other key needs a restart."""
+
+
+def _key_doc(f: Any) -> str:
+    rule = f.metadata["rule"]
+    live = " Reloadable." if f.metadata["live"] else ""
+    return f"{f.metadata['doc']} Accepts {rule.accepted}.{live}"
+
+
+def _comment(text: str, width: int = 88) -> list[str]:
+    return textwrap.wrap(text, width=width, initial_indent="# ", subsequent_indent="# ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def config_to_toml(config: Config) -> str:
+    """The config as a commented TOML document that loads back to an equal :class:`Config`.
+
+    Keys whose value differs from the default say what the default is.
+    """
+    out = [_HEADER]
+    for name, cls in SECTIONS.items():
+        out += ["", *_comment((cls.__doc__ or "").strip()), f"[{name}]"]
+        section = getattr(config, name)
+        for f in fields(cls):
+            value = getattr(section, f.name)
+            out += _comment(_key_doc(f))
+            if value != f.default:
+                out.append(f"# (default: {toml_value(f.default)})")
+            out.append(f"{toml_key(f.name)} = {toml_value(value)}")
+    return "\n".join(out) + "\n"
+
+
+DEFAULT_TOML: str = config_to_toml(Config())
+
+
+def reference() -> list[tuple[str, str, str]]:
+    """``(section.key, default as TOML, doc)`` for every setting, in file order (README reference)."""
+    return [(key, toml_value(f.default), _key_doc(f)) for key, f, _ in _settings()]
+
+
+def reloadable_diff(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """Keys that changed: ``(applied live, need a restart)``. Live keys are :data:`LIVE_KEYS`:
+
+    workers.count (scale), service.log_level, and plain numbers the daemon's
+    own loops read (stop/ack timeouts, heartbeat timeout, restart backoff and
+    budget). Everything else rebuilds processes, sockets or storage.
+    """
+    live, restart = [], []
+    for (key, f, before), (_, _, after) in zip(_settings(old), _settings(new)):
+        if before != after:
+            (live if f.metadata["live"] else restart).append(key)
+    return live, restart
+
+
+# -- paths ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResolvedPaths:
+    """Concrete locations once the "" defaults are filled in (see :func:`resolve_paths`)."""
+
+    data_dir: Path
+    runtime_dir: Path
+    replay: Path  # replay storage directory
+    weights: Path  # shared weight store
+    stats: Path  # per-worker stats block
+    control: str  # ZeroMQ endpoint of the control socket
+    events: str  # ZeroMQ endpoint of the event publisher
+    curve_secret_key: Path | None
+    curve_authorized_keys: Path | None
+
+
+def _home(environ: Mapping[str, str], uid: int, key: str) -> Path:
+    home = environ.get("HOME", "")
+    if home.startswith("/"):
+        return Path(home)
+    try:
+        return Path(pwd.getpwuid(uid).pw_dir)
+    except KeyError:
+        raise ConfigError(key, f"no home directory for uid {uid} and no $HOME; set {key} explicitly") from None
+
+
+def _expand(value: str, environ: Mapping[str, str], uid: int, key: str) -> Path | None:
+    """A configured path with ``~`` expanded, or ``None`` for "" (use the default)."""
+    if not value:
+        return None
+    if value == "~" or value.startswith("~/"):
+        return _home(environ, uid, key) / value[2:]
+    return Path(value)
+
+
+def _env_dir(environ: Mapping[str, str], name: str) -> Path | None:
+    """An absolute directory from ``$name`` (the first, for systemd's colon-separated lists)."""
+    value = environ.get(name, "").split(":")[0]
+    return Path(value) if value.startswith("/") else None
+
+
+def default_data_dir(environ: Mapping[str, str], uid: int | None = None) -> Path:
+    """$STATE_DIRECTORY, else $XDG_STATE_HOME/ingestd, else ~/.local/state/ingestd."""
+    uid = os.getuid() if uid is None else uid
+    if (state := _env_dir(environ, "STATE_DIRECTORY")) is not None:
+        return state
+    if (xdg := _env_dir(environ, "XDG_STATE_HOME")) is not None:
+        return xdg / "ingestd"
+    return _home(environ, uid, "service.data_dir") / ".local" / "state" / "ingestd"
+
+
+def default_runtime_dir(environ: Mapping[str, str], uid: int | None = None) -> Path:
+    """$RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/ingestd, else /tmp/ingestd-<uid>."""
+    uid = os.getuid() if uid is None else uid
+    if (runtime := _env_dir(environ, "RUNTIME_DIRECTORY")) is not None:
+        return runtime
+    if (xdg := _env_dir(environ, "XDG_RUNTIME_DIR")) is not None:
+        return xdg / "ingestd"
+    return Path(f"/tmp/ingestd-{uid}")
+
+
+def default_control_address(environ: Mapping[str, str], uid: int | None = None) -> str:
+    """Where a client connects: $INGESTD_CONTROL if set, else the daemon's default ipc socket."""
+    explicit = environ.get("INGESTD_CONTROL", "").strip()
+    if explicit:
+        return Address("a daemon address").check("INGESTD_CONTROL", explicit)
+    return f"ipc://{default_runtime_dir(environ, uid)}/control.sock"
+
+
+def resolve_paths(config: Config, environ: Mapping[str, str], uid: int | None = None) -> ResolvedPaths:
+    """Fill in every "" default of ``config`` from ``environ`` (the daemon passes ``os.environ``)."""
+    uid = os.getuid() if uid is None else uid
+    s, c = config.service, config.control
+    data_dir = _expand(s.data_dir, environ, uid, "service.data_dir") or default_data_dir(environ, uid)
+    runtime_dir = _expand(s.runtime_dir, environ, uid, "service.runtime_dir") or default_runtime_dir(environ, uid)
+    control = c.address or f"ipc://{runtime_dir}/control.sock"
+    events = c.events_address or f"ipc://{runtime_dir}/events.sock"
+    check_ipc_length("control.address", control)
+    check_ipc_length("control.events_address", events)
+    if control == events:
+        raise ConfigError("control.events_address", f"must differ from control.address (both are {control})")
+    return ResolvedPaths(
+        data_dir=data_dir, runtime_dir=runtime_dir,
+        replay=_expand(config.replay.path, environ, uid, "replay.path") or data_dir / "replay",
+        weights=runtime_dir / "weights", stats=runtime_dir / "workers.stats", control=control, events=events,
+        curve_secret_key=_expand(c.curve_secret_key, environ, uid, "control.curve_secret_key"),
+        curve_authorized_keys=_expand(c.curve_authorized_keys, environ, uid, "control.curve_authorized_keys"))

@@ -1,0 +1,73 @@
+"""One real daemon shared by the control-plane test modules (it takes seconds to start).
+
+``shared(pytestconfig)`` starts it on first use and stops it when the session
+ends. Tests that change it (pause, scale, restart) put it back the way they
+found it: two running workers (``restore``).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from daemon_proc import DaemonProc
+
+TESTS = str(Path(__file__).parent)
+PLUGIN_ENV = {"PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_FRAMES = 4
+SETTINGS = {
+    "workers.count": 2, "workers.env": "Checksum", "workers.policy": "control_plugins:readable",
+    "workers.num_envs": 8, "workers.chunk_steps": 8, "replay.capacity": 400_000, "metrics.enabled": False,
+    "control.max_message_bytes": MAX_MESSAGE_BYTES, "control.max_frames": MAX_FRAMES, "control.ack_timeout_s": 10.0,
+}
+
+_daemon: DaemonProc | None = None
+
+
+def shared(pytestconfig) -> DaemonProc:
+    global _daemon
+    if _daemon is None or _daemon.proc.poll() is not None:
+        daemon = DaemonProc(overrides=dict(SETTINGS), env=PLUGIN_ENV)
+        pytestconfig.add_cleanup(daemon.close)
+        daemon.start()
+        daemon.wait_ready(timeout=60, rows=64)
+        _daemon = daemon
+    return _daemon
+
+
+def restore(client) -> None:
+    """Two running workers, nothing paused."""
+    status = client.status()
+    if status.count != 2:
+        client.scale(2)
+    if status.desired != "run":
+        client.resume()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def rows_between(replay_path, first: int, last: int):
+    """Committed rows whose write index is in ``[first, last)`` (TensorDict), sorted by write index."""
+    import torch
+
+    from ingestd.replay import ReplayReader
+
+    with ReplayReader(replay_path) as reader:
+        seq = np.array(reader.seq)
+        committed = np.flatnonzero((seq > 0) & (seq % 2 == 0))
+        rows = reader.gather(committed)
+    index = rows.get(("ingestd", "write_index"))
+    keep = ((index >= first) & (index < last)).nonzero().squeeze(-1)
+    rows = rows[keep]
+    return rows[torch.argsort(rows.get(("ingestd", "write_index")))]

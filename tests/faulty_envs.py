@@ -1,0 +1,57 @@
+"""Envs that misbehave on purpose, loaded by the daemon by import path
+(``faulty_envs:Raising`` with ``tests/`` on PYTHONPATH)."""
+from __future__ import annotations
+
+import torch
+
+from ingestd.collect.registry import make_env
+
+
+class _Wrapped:
+    def __init__(self, ctx, after_steps: int = 0, inner: str = "Checksum", only_worker: int = -1):
+        self.inner = make_env(inner, ctx, {})
+        self.active = only_worker < 0 or ctx.worker == only_worker
+        self.num_envs, self.spec = self.inner.num_envs, self.inner.spec
+        self.after_steps, self.steps = after_steps, 0
+
+    def reset(self):
+        return self.inner.reset()
+
+    def close(self):
+        self.inner.close()
+
+    def step_and_maybe_reset(self, td):
+        self.steps += 1
+        transition, root = self.inner.step_and_maybe_reset(td)
+        if self.active and self.steps > self.after_steps:
+            self.fault(transition)
+        return transition, root
+
+
+class Raising(_Wrapped):
+    def fault(self, transition):
+        raise RuntimeError("simulated env failure in step")
+
+
+class WrongShape(_Wrapped):
+    def fault(self, transition):
+        obs = transition.get(("next", "observation"))
+        transition.set(("next", "observation"), torch.cat([obs, obs], dim=-1))
+
+
+class NaNReward(_Wrapped):
+    def fault(self, transition):
+        reward = transition.get(("next", "reward"))
+        transition.set(("next", "reward"), torch.full_like(reward, float("nan")))
+
+
+def raising(ctx, **kw):
+    return Raising(ctx, **kw)
+
+
+def wrong_shape(ctx, **kw):
+    return WrongShape(ctx, **kw)
+
+
+def nan_reward(ctx, **kw):
+    return NaNReward(ctx, **kw)

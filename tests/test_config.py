@@ -1,0 +1,281 @@
+"""The config: defaults, round trips, one table of bad configs, overrides, reference, reload diff, paths."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingestd.errors import ConfigError
+from ingestd.service.config import (
+    DEFAULT_TOML, LIVE_KEYS, Config, FrozenTable, ResolvedPaths, check_file, config_from_dict, config_to_toml,
+    default_control_address, load_config, reference, reloadable_diff, resolve_paths, with_overrides,
+)
+from ingestd.service.config_schema import SECTIONS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ALL_KEYS = [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ingestd.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# -- defaults and round trips -----------------------------------------------------------
+def test_default_is_the_dataclass_defaults():
+    config = load_config()
+    assert config == Config()
+    assert (config.workers.env, config.workers.policy, config.workers.count) == ("CartPole", "MLP", 2)
+    assert config.metrics.address == "127.0.0.1" and config.control.address == ""
+
+
+def test_default_toml_lists_every_key_with_a_comment():
+    lines = DEFAULT_TOML.splitlines()
+    for key in ALL_KEYS:
+        name = key.split(".")[1]
+        index = next(i for i, line in enumerate(lines) if line.startswith(f"{name} = "))
+        assert lines[index - 1].startswith("# "), key
+
+
+def test_effective_config_round_trips(tmp_path):
+    config = load_config(overrides=[
+        "workers.count=4", "workers.env=checksum", 'workers.env_kwargs={max_steps=10, name="a \\"q\\"\\n", x=[1.5, 2]}',
+        "workers.policy=my.pkg:make", "service.log_level=DEBUG", "service.data_dir=~/d", "metrics.enabled=false",
+        "control.address=tcp://*:5555", "control.curve_secret_key=/k/server.key", "control.curve_authorized_keys=/k/ok",
+        "workers.policy_kwargs.layers.sizes=[64, 64]", "replay.capacity=123456",
+    ])
+    text = config_to_toml(config)
+    assert "# (default: 2)" in text
+    again = check_file(write(tmp_path, text))
+    assert again == config
+    assert config_from_dict(config.to_dict()) == config
+    assert config.workers.env == "Checksum" and config.service.log_level == "debug"  # canonical spelling
+
+
+def test_config_is_frozen_hashable_and_picklable():
+    config = load_config(overrides=["workers.env_kwargs={a={b=[1, 2]}}"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.workers.count = 3  # type: ignore[misc]
+    kwargs = config.workers.env_kwargs
+    assert isinstance(kwargs, FrozenTable) and kwargs["a"]["b"] == (1, 2)
+    with pytest.raises(TypeError):
+        kwargs["a"] = 1  # type: ignore[index]
+    assert pickle.loads(pickle.dumps(config)) == config and hash(config) == hash(pickle.loads(pickle.dumps(config)))
+    assert dict(**kwargs) == {"a": kwargs["a"]} and config.to_dict()["workers"]["env_kwargs"] == {"a": {"b": [1, 2]}}
+
+
+toml_scalars = st.one_of(st.integers(-(2**63), 2**63 - 1), st.booleans(), st.text(max_size=12),
+                         st.floats(allow_nan=False))
+toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), toml_values, max_size=4))
+def test_any_kwargs_table_round_trips_through_toml(table):
+    config = config_from_dict({"workers": {"env_kwargs": table}})
+    assert config_from_dict(tomllib.loads(config_to_toml(config))) == config
+    assert config.to_dict()["workers"]["env_kwargs"] == table
+
+
+# -- the table of bad configs -------------------------------------------------------------
+# (TOML text or [overrides], the key the error must name, a phrase the message must contain)
+BAD = [
+    ("[workers]\ncount = 300\n", "workers.count", "0..256"),
+    ("[workers]\ncount = true\n", "workers.count", "(a boolean)"),
+    ("[workers]\ncount = 2.0\n", "workers.count", "without a decimal point"),
+    (["workers.count='4'"], "workers.count", "without quotes"),
+    ("[workers]\ncout = 3\n", "workers.cout", "did you mean 'workers.count'"),
+    ("[worker]\ncount = 3\n", "worker", "did you mean 'workers'"),
+    ("[service]\ncount = 3\n", "service.count", "belongs in [workers]"),
+    ("count = 3\n", "count", "workers.count"),
+    ("workers = 3\n", "workers", "must be a table"),
+    (["service.log_level=verbose"], "service.log_level", "debug, info, warning, error"),
+    (["workers.env=cartpol"], "workers.env", "did you mean 'CartPole'"),
+    (["workers.env=mypkg.envs"], "workers.env", "after a colon"),
+    (["workers.policy=my-policy"], "workers.policy", "import path"),
+    (["workers.env_kwargs=3"], "workers.env_kwargs", "a table"),
+    (["workers.num_envs=0"], "workers.num_envs", "1.."),
+    (["workers.chunk_steps=-1"], "workers.chunk_steps", "1.."),
+    (["workers.threads=-1"], "workers.threads", "0..1024"),
+    (["workers.device=CUDA 0"], "workers.device", "torch device"),
+    (["workers.restart_budget=0"], "workers.restart_budget", "1.."),
+    (["workers.heartbeat_timeout_s=0"], "workers.heartbeat_timeout_s", "> 0"),
+    (["workers.restart_backoff_max_s=0.05"], "workers.restart_backoff_max_s", "workers.restart_backoff_s"),
+    (["replay.capacity=1000"], "replay.capacity", "at least 4096"),
+    (["workers.count=256", "workers.num_envs=1024"], "replay.capacity", "at least 8388608"),
+    (["replay.capacity=0"], "replay.capacity", "1.."),
+    (["replay.path=relative/dir"], "replay.path", "absolute path"),
+    (["service.data_dir=3"], "service.data_dir", "absolute path"),
+    (["service.stop_timeout_s=inf"], "service.stop_timeout_s", "finite number > 0"),
+    (["service.stop_timeout_s='10'"], "service.stop_timeout_s", "without quotes"),
+    (["service.seed=-1"], "service.seed", ">= 0"),
+    (["control.address=tcp://0.0.0.0:5555"], "control.address", "ingestctl keygen"),
+    (["control.events_address=tcp://0.0.0.0:5556"], "control.events_address", "control.curve_secret_key"),
+    (["control.curve_secret_key=/etc/ingestd/server.key"], "control.curve_authorized_keys", "both"),
+    (["control.address=ipc://relative.sock"], "control.address", "ipc:///absolute/path"),
+    (["control.address=tcp://host:99999"], "control.address", "tcp://host:port"),
+    (["control.address=ipc:///" + "x" * 120], "control.address", "107"),
+    (["control.address=ipc:///s", "control.events_address=ipc:///s"], "control.events_address", "differ"),
+    (["control.max_frames=1"], "control.max_frames", "2..1024"),
+    (["control.max_message_bytes=1.5e9"], "control.max_message_bytes", "an integer"),
+    (["metrics.port=70000"], "metrics.port", "0..65535"),
+    (["metrics.enabled=yes"], "metrics.enabled", "true or false"),
+    (["metrics.address="], "metrics.address", "host name or IP"),
+    (["nonsense"], "nonsense", "section.key=value"),
+    (["workers.count.x=1"], "workers.count", "not a table"),
+    ("[workers\ncount = 3\n", "ingestd.toml", "line 1"),
+    ("[workers]\ncount = \n", "ingestd.toml", "2 | count ="),
+]
+
+
+@pytest.mark.parametrize("source, key, phrase", BAD, ids=[f"{i}-{case[1]}" for i, case in enumerate(BAD)])
+def test_bad_config_names_the_key(tmp_path, source, key, phrase):
+    with pytest.raises(ConfigError) as info:
+        if isinstance(source, list):
+            load_config(overrides=source)
+        else:
+            load_config(write(tmp_path, source))
+    assert info.value.key.endswith(key), str(info.value)
+    assert key in str(info.value) and phrase in str(info.value), str(info.value)
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="not found") as info:
+        load_config(missing)
+    assert info.value.key == str(missing)
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        config_from_dict({"workers": {"count": -1}})
+
+
+# -- overrides ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, section, key, expected", [
+    ("workers.count=4", "workers", "count", 4),
+    ("workers.env=Checksum", "workers", "env", "Checksum"),
+    ("workers.env = pkg.mod:make_env ", "workers", "env", "pkg.mod:make_env"),
+    ("workers.env_kwargs={max_steps=10}", "workers", "env_kwargs", {"max_steps": 10}),
+    ("workers.env_kwargs.id=CartPole-v1", "workers", "env_kwargs", {"id": "CartPole-v1"}),
+    ("workers.device=cuda:1", "workers", "device", "cuda:1"),
+    ("service.stop_timeout_s=3", "service", "stop_timeout_s", 3.0),
+    ("metrics.enabled=false", "metrics", "enabled", False),
+    ("metrics.address=0.0.0.0", "metrics", "address", "0.0.0.0"),
+    ("control.address=ipc:///run/x.sock", "control", "address", "ipc:///run/x.sock"),
+    ('service.data_dir="/var/lib/a b"', "service", "data_dir", "/var/lib/a b"),
+    ("control.address=", "control", "address", ""),
+])
+def test_override_parses(override, section, key, expected):
+    value = getattr(getattr(load_config(overrides=[override]), section), key)
+    assert value == expected
+    assert type(value) is type(expected) or isinstance(value, FrozenTable)
+
+
+def test_overrides_apply_on_top_of_a_file_in_order(tmp_path):
+    path = write(tmp_path, "[workers]\ncount = 1\nenv_kwargs = { a = 1 }\n")
+    config = load_config(path, ["workers.count=3", "workers.env_kwargs.b=2", "workers.count=5"])
+    assert config.workers.count == 5 and config.workers.env_kwargs == {"a": 1, "b": 2}
+    with pytest.raises(TypeError):
+        load_config(path, "workers.count=3")  # type: ignore[arg-type]
+
+
+def test_with_overrides_rechecks():
+    config = with_overrides(Config(), ["workers.count=8"])
+    assert config.workers.count == 8 and config.service == Config().service
+    with pytest.raises(ConfigError, match="replay.capacity"):
+        with_overrides(config, ["workers.num_envs=1000000"])
+
+
+# -- reference and reload ------------------------------------------------------------------------
+def test_reference_covers_every_field_with_a_doc():
+    rows = reference()
+    assert [key for key, _, _ in rows] == ALL_KEYS
+    assert all(doc and "Accepts" in doc for _, _, doc in rows)
+    defaults = dict((key, default) for key, default, _ in rows)
+    assert defaults["workers.env"] == '"CartPole"' and defaults["workers.count"] == "2"
+    assert defaults["control.max_message_bytes"] == str(256 << 20) and defaults["workers.env_kwargs"] == "{}"
+
+
+@pytest.mark.parametrize("overrides, live, restart", [
+    ([], [], []),
+    (["workers.count=5"], ["workers.count"], []),
+    (["service.log_level=debug", "workers.env=Checksum"], ["service.log_level"], ["workers.env"]),
+    (["workers.restart_budget=9", "metrics.port=9999", "replay.capacity=2000000"],
+     ["workers.restart_budget"], ["replay.capacity", "metrics.port"]),
+    (["workers.env_kwargs.max_steps=3"], [], ["workers.env_kwargs"]),
+])
+def test_reloadable_diff(overrides, live, restart):
+    assert reloadable_diff(Config(), load_config(overrides=overrides)) == (live, restart)
+
+
+def test_live_keys_are_the_documented_ones():
+    assert {"workers.count", "service.log_level"} <= LIVE_KEYS
+    assert all("Reloadable" in doc for key, _, doc in reference() if key in LIVE_KEYS)
+    assert not {"workers.env", "replay.capacity", "control.address", "replay.path"} & LIVE_KEYS
+
+
+# -- paths ----------------------------------------------------------------------------------------------
+HOME = {"HOME": "/home/ann"}
+
+
+@pytest.mark.parametrize("environ, data_dir, runtime_dir", [
+    (HOME, "/home/ann/.local/state/ingestd", "/tmp/ingestd-1000"),
+    ({**HOME, "XDG_STATE_HOME": "/xs", "XDG_RUNTIME_DIR": "/run/user/1000"}, "/xs/ingestd", "/run/user/1000/ingestd"),
+    ({**HOME, "XDG_STATE_HOME": "relative", "XDG_RUNTIME_DIR": ""}, "/home/ann/.local/state/ingestd",
+     "/tmp/ingestd-1000"),
+    ({**HOME, "XDG_RUNTIME_DIR": "/run/user/1000", "STATE_DIRECTORY": "/var/lib/ingestd",
+      "RUNTIME_DIRECTORY": "/run/ingestd:/run/other"}, "/var/lib/ingestd", "/run/ingestd"),
+])
+def test_default_paths(environ, data_dir, runtime_dir):
+    paths = resolve_paths(Config(), environ, uid=1000)
+    assert paths == ResolvedPaths(
+        data_dir=Path(data_dir), runtime_dir=Path(runtime_dir), replay=Path(data_dir) / "replay",
+        weights=Path(runtime_dir) / "weights", stats=Path(runtime_dir) / "workers.stats",
+        control=f"ipc://{runtime_dir}/control.sock", events=f"ipc://{runtime_dir}/events.sock",
+        curve_secret_key=None, curve_authorized_keys=None)
+
+
+def test_configured_paths_win_and_expand_home():
+    config = load_config(overrides=[
+        "service.data_dir=~/state", "service.runtime_dir=/r", "replay.path=/dev/shm/replay",
+        "control.address=tcp://127.0.0.1:7000", "control.curve_secret_key=~/k/server.key",
+        "control.curve_authorized_keys=/etc/ingestd/clients"])
+    paths = resolve_paths(config, {**HOME, "XDG_STATE_HOME": "/ignored"}, uid=1000)
+    assert (paths.data_dir, paths.replay, paths.stats) == (Path("/home/ann/state"), Path("/dev/shm/replay"),
+                                                             Path("/r/workers.stats"))
+    assert (paths.control, paths.events) == ("tcp://127.0.0.1:7000", "ipc:///r/events.sock")
+    assert paths.curve_secret_key == Path("/home/ann/k/server.key")
+
+
+def test_too_long_default_ipc_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="service.runtime_dir") as info:
+        resolve_paths(Config(), {**HOME, "XDG_RUNTIME_DIR": "/" + "r" * 100}, uid=1000)
+    assert info.value.key == "control.address"
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"INGESTD_CONTROL": "tcp://10.0.0.1:7000"}, "tcp://10.0.0.1:7000"),
+    ({"INGESTD_CONTROL": "", "XDG_RUNTIME_DIR": "/run/user/7"}, "ipc:///run/user/7/ingestd/control.sock"),
+    ({}, "ipc:///tmp/ingestd-7/control.sock"),
+])
+def test_default_control_address(environ, expected):
+    assert default_control_address(environ, uid=7) == expected
+    if "INGESTD_CONTROL" not in environ or not environ["INGESTD_CONTROL"]:
+        assert resolve_paths(Config(), {**environ, **HOME}, uid=7).control == expected
+
+
+def test_bad_ingestd_control_names_the_variable():
+    with pytest.raises(ConfigError, match="INGESTD_CONTROL"):
+        default_control_address({"INGESTD_CONTROL": "localhost:7000"}, uid=7)

@@ -1,0 +1,171 @@
+"""End-to-end: the real daemon in a subprocess."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from daemon_proc import DaemonProc, pid_alive
+from ingestd.collect.stats import State, StatsBlock
+from ingestd.replay import ReplayReader
+
+TESTS = str(Path(__file__).parent)
+PLUGIN_ENV = {"PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def all_rows(path) -> "TensorDict":
+    with ReplayReader(path) as reader:
+        seq = np.array(reader.seq)
+        committed = np.flatnonzero((seq > 0) & (seq % 2 == 0))
+        return reader.gather(committed)
+
+
+def test_default_config_ready_writes_and_stops_cleanly():
+    with DaemonProc(notify=True, overrides={"workers.num_envs": 64, "workers.chunk_steps": 16}) as d:
+        ready = d.wait_notify("READY=1", timeout=60)
+        assert "STATUS=" in ready
+        with ReplayReader(d.replay_path) as reader:
+            first = reader.write_count
+            assert first > 0
+            wait_for(lambda: reader.write_count > first, 10, "write_count to grow")
+            sample = reader.sample(32)
+            assert sample["observation"].shape == (32, 4)
+            assert sample["next", "reward"].shape == (32, 1)
+        children = d.remember_children()
+        assert len(children) >= 2, "expected the two worker processes"
+        t0 = time.monotonic()
+        assert d.stop(signal.SIGTERM, timeout=15) == 0
+        assert time.monotonic() - t0 < 12
+        d.recv_notify(0.2)
+        assert any("STOPPING=1" in m for m in d.messages)
+        assert not [pid for pid in children if pid_alive(pid)], "a worker outlived the daemon"
+
+
+def test_checksum_rows_verify_and_steps_are_contiguous():
+    from ingestd.collect.envs.checksum import verify_rows
+
+    overrides = {"workers.env": "Checksum", "workers.policy": "Random", "workers.count": 2,
+                 "replay.capacity": 400_000}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready(rows=20_000)
+        assert d.stop() == 0
+    rows = all_rows(d.replay_path)
+    assert rows.batch_size[0] >= 20_000
+    assert bool(verify_rows(rows).all()), "a stored row does not verify"
+    assert_contiguous(rows)
+
+
+def assert_contiguous(rows) -> None:
+    """Per (worker, env): every episode's steps are 0..k without gaps or repeats, and the
+    episodes of one incarnation follow each other (nothing lost between chunks)."""
+    w, e = rows["ingestd", "worker"].numpy(), rows["ingestd", "env"].numpy()
+    ep, st = rows["ingestd", "episode"].numpy(), rows["ingestd", "step"].numpy()
+    done = rows["next", "done"].reshape(-1).numpy()
+    order = np.lexsort((st, ep, e, w))
+    w, e, ep, st, done = w[order], e[order], ep[order], st[order], done[order]
+    key = np.stack([w, e, ep], 1)
+    same_episode = (key[1:] == key[:-1]).all(1)
+    assert (st[1:][same_episode] == st[:-1][same_episode] + 1).all(), "a step is missing or repeated"
+    starts = np.concatenate([[True], ~same_episode])
+    assert (st[starts] == 0).all(), "an episode does not start at step 0"
+    same_env = (key[1:, :2] == key[:-1, :2]).all(1) & ~same_episode
+    assert (ep[1:][same_env] == ep[:-1][same_env] + 1).all() or _only_new_incarnations(ep, same_env)
+    ends = np.concatenate([~same_episode, [True]])
+    closed = ends[:-1] & same_env  # episodes followed by another of the same env must have ended
+    assert done[:-1][closed].all(), "an episode was cut without done"
+
+
+def _only_new_incarnations(ep, boundary) -> bool:
+    jumps = ep[1:][boundary] - ep[:-1][boundary]
+    return bool(((jumps == 1) | (jumps >= 2**31)).all())
+
+
+def test_killed_worker_comes_back_and_collection_continues():
+    with DaemonProc(overrides={"workers.count": 2}) as d:
+        d.wait_ready(rows=1000)
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            old = int(stats[0]["pid"])
+            os.kill(old, signal.SIGKILL)
+            wait_for(lambda: int(stats[0]["pid"]) not in (0, old) and stats.state(0) == State.RUNNING, 10,
+                     "worker 0 to come back running")
+            assert int(stats[0]["restarts"]) == 1
+            frames = int(stats[0]["frames"])
+            wait_for(lambda: int(stats[0]["frames"]) > frames, 10, "the restarted worker to collect")
+        finally:
+            stats.close()
+        assert d.stop() == 0
+
+
+def test_crash_looping_worker_is_marked_failed_others_continue():
+    overrides = {"workers.env": "faulty_envs:raising", "workers.env_kwargs": {"only_worker": 1},
+                 "workers.policy": "Random", "workers.count": 2, "workers.restart_budget": 3,
+                 "workers.restart_backoff_s": 0.05}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        d.wait_ready(rows=100)
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            wait_for(lambda: stats.state(1) == State.FAILED, 30, "worker 1 to be marked failed")
+            assert "simulated env failure" in stats.error(1)
+            assert int(stats[1]["restarts"]) == 2  # budget 3: two restarts, third death marks it failed
+            frames = int(stats[0]["frames"])
+            wait_for(lambda: int(stats[0]["frames"]) > frames, 10, "worker 0 to keep collecting")
+            assert stats.state(0) == State.RUNNING
+        finally:
+            stats.close()
+        assert d.stop() == 0
+        assert "simulated env failure" in d.log()
+
+
+BAD_CONFIGS = [
+    ("workers.count=-1", "workers.count"),
+    ("workers.count=\"two\"", "workers.count"),
+    ("workers.chunk_steps=0", "workers.chunk_steps"),
+    ("replay.capacity=0", "replay.capacity"),
+    ("service.log_level=\"loud\"", "service.log_level"),
+    ("workers.bogus=1", "workers.bogus"),
+    ("metrics.port=70000", "metrics.port"),
+    ("control.address=\"tcp://127.0.0.1:5555\"", "control.address"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD_CONFIGS)
+def test_bad_config_exits_78_naming_the_key(override, key, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run", "--set", override,
+                           "--set", f"service.data_dir={str(tmp_path)!r}".replace("'", '"')],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78, proc.stderr
+    assert key in proc.stderr
+    assert not (tmp_path / "replay").exists(), "nothing may be created before the config is valid"
+
+
+def test_config_default_and_check(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "default"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    good = tmp_path / "good.toml"
+    good.write_text(out)
+    ok = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(good)],
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[workers]\ncount = 1.5\n")
+    res = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(bad)],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 78 and "workers.count" in res.stderr

@@ -1,0 +1,152 @@
+"""``ingestctl`` against a real daemon: every command in text and --json, and its exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import control_plugins
+from control_daemon import restore, shared
+from ingestd import ControlClient
+from ingestd.control import cli
+
+
+@pytest.fixture(scope="module")
+def daemon(pytestconfig):
+    return shared(pytestconfig)
+
+
+@pytest.fixture
+def client(daemon):
+    with ControlClient(daemon.control_address, timeout=5.0) as c:
+        yield c
+        restore(c)
+
+
+@pytest.fixture
+def weights_file(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(control_plugins.weights(3.0), path)
+    return str(path)
+
+
+def run(daemon, capsys, *argv: str, as_json: bool = False) -> tuple[int, str, str]:
+    """``ingestctl`` in this process (it starts in well under a second, but torch is already here)."""
+    args = ["--connect", daemon.control_address, *(["--json"] if as_json else []), *argv]
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+COMMANDS = [
+    (["ping"], "pong", lambda r: r["pong"] is True),
+    (["status"], "WORKER", lambda r: [w["state"] for w in r["workers"]] == ["running", "running"]),
+    (["config"], '"workers"', lambda r: r["workers"]["env"] == "Checksum"),
+    (["pause"], "paused: workers 0, 1", lambda r: r["workers"] == [0, 1]),
+    (["resume"], "resumed: workers 0, 1", lambda r: r["workers"] == [0, 1]),
+    (["restart", "1"], "restarted workers 1", lambda r: r["workers"] == [1]),
+    (["restart"], "restarted workers 0, 1", lambda r: r["workers"] == [0, 1]),
+    (["scale", "3"], "scaled to 3", lambda r: r["workers"] == [0, 1, 2]),
+    (["reload"], "reloaded", lambda r: r == {"applied": [], "not_applied": []}),
+]
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("argv, text, check", COMMANDS, ids=[" ".join(c[0]) for c in COMMANDS])
+def test_every_command(daemon, client, capsys, argv, text, check, as_json):
+    code, out, err = run(daemon, capsys, *argv, as_json=as_json)
+    assert code == 0, err
+    if as_json:
+        doc = json.loads(out)
+        assert doc["ok"] is True and check(doc["result"]), doc
+    else:
+        assert text in out
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_push_weights_file(daemon, client, capsys, weights_file, as_json):
+    version = client.status().weights_version
+    code, out, err = run(daemon, capsys, "push-weights", weights_file, as_json=as_json)
+    assert code == 0, err
+    if as_json:
+        assert json.loads(out)["result"]["version"] == version + 1
+    else:
+        assert f"weights v{version + 1}: applied by workers 0, 1" in out
+    assert all(w.weights_version == version + 1 for w in client.status().workers)
+
+
+def test_exit_codes(daemon, client, capsys, tmp_path):
+    wrong = tmp_path / "wrong.pt"
+    torch.save({"bias": torch.zeros(3)}, wrong)
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"bias": torch.zeros(1), "obj": object.__new__(ValueError)}, pickled)
+    cases = [
+        (["push-weights", str(wrong)], cli.EX_FAILED, "bad_weights"),
+        (["push-weights", str(tmp_path / "missing.pt")], cli.EX_NOINPUT, "no_input"),
+        (["push-weights", str(pickled)], cli.EX_DATAERR, "bad_input"),
+        (["restart", "9"], cli.EX_FAILED, "no_such_worker"),
+        (["pause", "--wait", "0.000001"], cli.EX_TEMPFAIL, "timeout"),
+        (["scale", "-1"], cli.EX_USAGE, "usage"),
+    ]
+    for argv, expected, code in cases:
+        status, out, err = run(daemon, capsys, *argv, as_json=True)
+        assert status == expected, (argv, out, err)
+        assert json.loads(out) == {"ok": False, "error": {"code": code, "message": json.loads(out)["error"]["message"]}}
+        assert code in err
+    client.resume()  # the timed-out pause stays requested, as documented
+
+
+def test_real_entry_point(daemon, tmp_path):
+    """The installed console script, as a shell script would run it."""
+    env = {**os.environ, "INGESTD_CONTROL": daemon.control_address}
+    exe = [sys.executable, "-m", "ingestd.control.cli"]
+    done = subprocess.run([*exe, "--json", "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["result"]["replay"]["write_count"] > 0
+    silent = subprocess.run([*exe, "--connect", "ipc:///dev/shm/ingestd-nobody.sock", "--timeout", "0.2", "ping"],
+                            capture_output=True, text=True, timeout=30)
+    assert silent.returncode == cli.EX_UNAVAILABLE and "no socket" in silent.stderr
+    usage = subprocess.run([*exe, "frobnicate"], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == cli.EX_USAGE and "invalid choice" in usage.stderr
+
+
+def test_events_follow_the_stream(daemon, client):
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "ingestd.control.cli", "--connect", daemon.control_address, "--json", "events",
+         "--topic", "paused", "--topic", "resumed", "--count", "2", "--duration", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while follower.poll() is None and time.monotonic() < deadline:
+            client.pause()  # repeated: the first ones may go out before the subscription is live
+            client.resume()
+            time.sleep(0.2)
+        out, err = follower.communicate(timeout=10)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert len(events) == 2 and {e["topic"] for e in events} <= {"paused", "resumed"}
+    assert all(e["event"]["workers"] == [0, 1] for e in events)
+
+
+def test_keygen_modes(tmp_path, capsys):
+    assert cli.main(["--json", "keygen", "trainer", "--dir", str(tmp_path)]) == 0
+    paths = json.loads(capsys.readouterr().out)["result"]
+    assert stat.S_IMODE(os.stat(paths["secret"]).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(paths["public"]).st_mode) == 0o644
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(paths["secret"])
+    assert secret is not None and zmq.auth.load_certificate(paths["public"]) == (public, None)
+    assert cli.main(["keygen", "trainer", "--dir", str(tmp_path)]) == cli.EX_CANTCREAT
+    assert cli.main(["keygen", "trainer", "--dir", str(tmp_path), "--force"]) == 0
+    assert zmq.auth.load_certificate(paths["secret"])[0] != public

@@ -1,0 +1,355 @@
+"""Metrics: the collector on a real stats block, the HTTP exporter, and a real
+daemon scraped directly and by a real Prometheus evaluating every dashboard expr."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_proc import DaemonProc
+from ingestd.collect.stats import MAX_WORKERS, RING, State, StatsBlock
+from ingestd.errors import ConfigError
+from ingestd.metrics import IngestdCollector, MetricsExporter
+from ingestd.service.config import load_config
+from ingestd.service.telemetry import Telemetry
+from prometheus_proc import MISSING, PrometheusProc, promtool
+from test_dashboard import load_dashboard, metric_names, panel_exprs, substitute
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+LIVE_STATES = {"starting", "running", "paused", "stopping", "stopped", "failed"}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
+def by_worker(found: dict, name: str) -> dict[str, float]:
+    return {dict(k[1])["worker"]: v for k, v in found.items() if k[0] == name}
+
+
+def documented() -> dict[str, tuple[str, set[str]]]:
+    """name -> (type, labels) from the reference tables in docs/metrics.md."""
+    rows = re.findall(r"^\| `([a-z_]+)` \| (counter|gauge|histogram|summary) \|([^|]*)\|", DOCS.read_text(), re.M)
+    return {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
+
+
+def exposed(text: str) -> dict[str, tuple[str, set[str]]]:
+    """name -> (type, label names) from an exposition's TYPE lines and samples."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    labels: dict[str, set[str]] = {name: set() for name in types}
+    for sample, labelset in samples(text):
+        family = sample if sample in types else re.sub(r"_(bucket|sum|count|created)$", "", sample)
+        labels[family] |= {k for k, _ in labelset} - {"le"}
+    return {name: (kind, labels[name]) for name, kind in types.items()}
+
+
+# -- the collector on a real stats block ------------------------------------------------------
+class Box(SimpleNamespace):
+    """Stand-in for the replay storage / weight store: only the fields the collector reads."""
+
+
+@pytest.fixture
+def block(tmp_path):
+    stats = StatsBlock(tmp_path / "stats", create=True)
+    yield stats
+    stats.close()
+
+
+def scrape(block, weights_version=3, storage=None, telemetry=None, clock=time.monotonic, collector=None):
+    collector = collector or IngestdCollector(
+        block, storage or Box(write_count=150, capacity=100), Box(version=weights_version) if weights_version else None,
+        telemetry or Telemetry(), started_at=1e9, clock=clock, commands=["ping", "push_weights"])
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return samples(text), text, collector
+
+
+@pytest.mark.parametrize("state", [s for s in State if s != State.EMPTY], ids=lambda s: s.label)
+def test_state_is_one_hot(block, state):
+    block[4]["state"] = state
+    found, _, _ = scrape(block)
+    hot = {dict(k[1])["state"]: v for k, v in found.items() if k[0] == "ingestd_worker_state"}
+    assert set(hot) == LIVE_STATES and hot[state.label] == 1 and sum(hot.values()) == 1
+    assert set(by_worker(found, "ingestd_frames_total")) == {"4"}  # empty slots are not workers
+
+
+@pytest.mark.parametrize("current,applied,lag", [(0, 0, 0), (3, 0, 3), (3, 3, 0), (7, 2, 5), (2, 5, 0)])
+def test_policy_lag(block, current, applied, lag):
+    block[0]["state"], block[0]["weights_version"] = State.RUNNING, applied
+    found, _, _ = scrape(block, weights_version=current)
+    assert value(found, "ingestd_weights_version") == current
+    assert value(found, "ingestd_worker_weights_version", worker="0") == applied
+    assert value(found, "ingestd_policy_lag_versions", worker="0") == lag
+
+
+def _finish(block, index, returns):
+    rec = block[index]
+    count = int(rec["returns_count"])
+    for r in returns:
+        rec["returns"][count % RING] = r
+        count += 1
+    rec["returns_count"] = count
+
+
+def test_episode_return_histogram_reads_the_ring_since_the_last_scrape(block):
+    block[0]["state"] = block[1]["state"] = State.RUNNING
+    _finish(block, 0, [1.0, 22.0, -3.0])
+    found, text, collector = scrape(block)
+    assert value(found, "ingestd_episode_return_bucket", le="+Inf") == 3
+    assert not {"ingestd_episode_return_sum", "ingestd_episode_return_count"} & {n for n, _ in found}  # OpenMetrics
+    assert value(found, "ingestd_worker_episode_return_mean", worker="0") == pytest.approx(20 / 3)
+    assert ("ingestd_worker_episode_return_mean", frozenset({("worker", "1")})) not in found  # none finished yet
+    assert value(found, "ingestd_episode_return_bucket", le="0.0") == 1
+    assert value(found, "ingestd_episode_return_bucket", le="50.0") == 3
+    found, _, _ = scrape(block, collector=collector)  # nothing new: nothing counted twice
+    assert value(found, "ingestd_episode_return_bucket", le="+Inf") == 3
+    _finish(block, 0, [500.0] * (RING + 8))  # more than the ring holds between two scrapes
+    _finish(block, 1, [float("nan"), 2.0])
+    found, _, _ = scrape(block, collector=collector)
+    assert value(found, "ingestd_episode_returns_dropped_total") == 8
+    assert value(found, "ingestd_episode_return_bucket", le="200.0") == 4
+    assert value(found, "ingestd_episode_return_bucket", le="+Inf") == 3 + RING + 1  # NaN skipped
+    assert value(found, "ingestd_worker_episode_return_mean", worker="0") == 500  # the ring's last 32
+    assert value(found, "ingestd_worker_episode_return_mean", worker="1") == 2  # NaN left out
+
+
+def test_worker_up_needs_a_live_child_in_a_live_state(block):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        block[0]["state"], block[0]["pid"] = State.RUNNING, child.pid
+        block[1]["state"], block[1]["pid"] = State.RUNNING, os.getppid()  # alive but not our child
+        block[2]["state"], block[2]["pid"] = State.FAILED, child.pid
+        block[3]["state"], block[3]["pid"] = State.STARTING, 0
+        found, _, _ = scrape(block)
+        assert by_worker(found, "ingestd_worker_up") == {"0": 1, "1": 0, "2": 0, "3": 0}
+        child.kill()
+        child.wait()
+        found, _, _ = scrape(block)
+        assert value(found, "ingestd_worker_up", worker="0") == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_heartbeat_age_uses_the_injected_clock(block):
+    block[0]["state"], block[0]["heartbeat"] = State.RUNNING, 100.0
+    found, _, _ = scrape(block, clock=lambda: 102.5)
+    assert value(found, "ingestd_worker_heartbeat_age_seconds", worker="0") == 2.5
+
+
+def test_full_block_scrape_is_cheap_and_lints(block):
+    block.records["state"][:] = State.RUNNING
+    block.records["frames"][:] = 10
+    telemetry = Telemetry()
+    telemetry.observe_request("ping", "ok")
+    telemetry.observe_request("pause", "timeout")
+    telemetry.observe_push(0.03)
+    t0 = time.perf_counter()
+    found, text, _ = scrape(block, telemetry=telemetry)
+    elapsed = time.perf_counter() - t0
+    assert len(by_worker(found, "ingestd_frames_total")) == MAX_WORKERS
+    assert value(found, "ingestd_control_requests_total", cmd="push_weights", outcome="ok") == 0  # pre-initialised
+    assert value(found, "ingestd_control_requests_total", cmd="pause", outcome="timeout") == 1
+    assert value(found, "ingestd_weight_push_seconds_bucket", le="0.05") == 1
+    assert value(found, "ingestd_weight_push_seconds_bucket", le="0.025") == 0
+    assert value(found, "ingestd_replay_rows") == 100 and value(found, "ingestd_replay_writes_total") == 150
+    assert elapsed < 1.0, f"a full scrape of {MAX_WORKERS} workers took {elapsed:.3f} s"
+    if not MISSING:
+        result = promtool("check", "metrics", stdin=text)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_broken_source_blanks_only_its_section(block):
+    class Closed:
+        capacity = 10
+
+        @property
+        def write_count(self):
+            raise RuntimeError("closed")
+
+    block[0]["state"] = State.RUNNING
+    found, _, _ = scrape(block, storage=Closed())
+    assert value(found, "ingestd_scrape_errors_total", section="replay") == 1
+    assert not any(name.startswith("ingestd_replay_") for name, _ in found)
+    assert value(found, "ingestd_frames_total", worker="0") == 0 and value(found, "ingestd_up") == 1
+
+
+# -- the HTTP exporter --------------------------------------------------------------------------
+def fake_daemon(block, config):
+    layout = SimpleNamespace(stats=block, storage=Box(write_count=5, capacity=10), weights=None)
+    return SimpleNamespace(layout=layout, telemetry=Telemetry(), started_at=time.time(), config=config)
+
+
+def test_default_address_is_loopback_on_a_fixed_port():
+    metrics = load_config(None).metrics
+    assert metrics.enabled and metrics.address == "127.0.0.1" and metrics.port == 9464
+
+
+def test_exporter_serves_its_own_registry_and_stops(block):
+    config = load_config(None, ["metrics.port=0"])
+    exporter = MetricsExporter(config)
+    exporter.start(fake_daemon(block, config))
+    try:
+        host, port = exporter.address
+        assert host == "127.0.0.1" and port > 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "ingestd_replay_writes_total 5.0" in text and "process_cpu_seconds_total" in text
+        assert "python_gc_objects_collected_total" not in text  # not the global registry
+    finally:
+        exporter.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_exporter_port_in_use_is_a_config_error(block):
+    config = load_config(None, ["metrics.port=0"])
+    first = MetricsExporter(config)
+    first.start(fake_daemon(block, config))
+    try:
+        taken = load_config(None, [f"metrics.port={first.address[1]}"])
+        with pytest.raises(ConfigError) as err:
+            MetricsExporter(taken).start(fake_daemon(block, taken))
+        assert err.value.key == "metrics.port" and "in use" in str(err.value)
+    finally:
+        first.stop()
+
+
+# -- a real daemon, scraped directly and by a real Prometheus ----------------------------------
+@pytest.fixture(scope="module")
+def live():
+    daemon = DaemonProc(overrides={"workers.count": 2})
+    prom = PrometheusProc([f"127.0.0.1:{daemon.metrics_port}"]) if not MISSING else None
+    try:
+        daemon.start()
+        if prom is not None:
+            prom.start()  # its first scrape lands ~6 s later: overlap that with the daemon's start
+        daemon.wait_ready(rows=1)
+        yield SimpleNamespace(daemon=daemon, prom=prom, url=f"http://127.0.0.1:{daemon.metrics_port}/metrics")
+    finally:
+        if prom is not None:
+            prom.close()
+        daemon.close()
+
+
+def fetch(live) -> str:
+    return urllib.request.urlopen(live.url, timeout=5).read().decode()
+
+
+def poll(fn, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        ok, last = fn()
+        if ok:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last}")
+
+
+def test_live_scrape_has_sane_values(live):
+    first = samples(fetch(live))
+    found = poll(lambda: (lambda f: (all(f[k] > first[k] for k in f if k[0] == "ingestd_frames_total"), f))(
+        samples(fetch(live))), 20, "frames to increase on every worker")
+    assert by_worker(found, "ingestd_worker_up") == {"0": 1, "1": 1}
+    for worker in ("0", "1"):
+        hot = {dict(k[1])["state"]: v for k, v in found.items()
+               if k[0] == "ingestd_worker_state" and dict(k[1])["worker"] == worker}
+        assert set(hot) == LIVE_STATES and sum(hot.values()) == 1 and hot["running"] == 1
+        assert 0 <= value(found, "ingestd_worker_heartbeat_age_seconds", worker=worker) < 5
+        assert value(found, "ingestd_worker_weights_version", worker=worker) >= 1
+        assert value(found, "ingestd_policy_lag_versions", worker=worker) == 0
+    assert value(found, "ingestd_weights_version") >= 1
+    assert value(found, "ingestd_workers_desired") == 2
+    assert value(found, "ingestd_replay_capacity_rows") == 100_000
+    assert 0 < value(found, "ingestd_replay_rows") <= value(found, "ingestd_replay_writes_total")
+    assert value(found, "ingestd_up") == 1
+    assert abs(value(found, "ingestd_start_time_seconds") - time.time()) < 600
+    assert sum(v for k, v in found.items() if k[0] == "ingestd_episodes_total") > 0
+    assert value(found, "ingestd_episode_return_bucket", le="+Inf") > 0  # CartPole episodes finish quickly
+    info = next(dict(k[1]) for k in found if k[0] == "ingestd_build_info")
+    assert info["python"] == ".".join(map(str, sys.version_info[:3])) and info["version"] and info["torch"]
+
+
+def test_live_exposition_passes_promtool_and_openmetrics(live):
+    request = urllib.request.Request(live.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    openmetrics = urllib.request.urlopen(request, timeout=5).read().decode()
+    assert openmetrics.endswith("# EOF\n")
+    assert len(list(openmetrics_families(openmetrics))) >= 25  # the strict parser checks histogram rules
+    if MISSING:
+        pytest.skip(MISSING)
+    result = promtool("check", "metrics", stdin=fetch(live))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_docs_list_exactly_the_exposed_metrics(live):
+    docs, live_metrics = documented(), exposed(fetch(live))
+    assert len(docs) >= 25
+    assert set(docs) == set(live_metrics), (f"undocumented: {sorted(set(live_metrics) - set(docs))}; "
+                                            f"documented but not exposed: {sorted(set(docs) - set(live_metrics))}")
+    for name, (kind, labels) in docs.items():
+        assert live_metrics[name] == (kind, labels), name
+
+
+def test_bound_to_loopback_only(live):
+    port = f"{live.daemon.metrics_port:04X}"
+    listening = [line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                 if line.split()[1].endswith(":" + port) and line.split()[3] == "0A"]
+    assert listening == [f"0100007F:{port}"]
+    assert f"serving metrics on http://127.0.0.1:{live.daemon.metrics_port}/metrics" in live.daemon.log()
+
+
+def test_dashboard_uses_only_exposed_metrics(live):
+    names = {name for name, _ in samples(fetch(live))}
+    for panel, ref, expr in panel_exprs(load_dashboard()):
+        missing = metric_names(expr) - names
+        assert not missing, f"panel {panel['title']!r} ({ref}) uses {sorted(missing)}, which the exporter lacks"
+
+
+def test_dashboard_exprs_return_series_from_real_prometheus(live):
+    if MISSING:
+        pytest.skip(MISSING)
+    exprs = [(f"{p['title']} ({ref})", substitute(expr)) for p, ref, expr in panel_exprs(load_dashboard())]
+
+    def empty():
+        bad = [title for title, expr in exprs if not live.prom.query(expr)]
+        return not bad, bad
+
+    poll(empty, 45, "every dashboard expr to return a series", interval=1.0)
+
+
+def test_killed_worker_counts_a_restart(live):
+    daemon = live.daemon
+    before = samples(fetch(live))
+    restarts = by_worker(before, "ingestd_worker_restarts_total")
+    children = [int(k) for t in Path(f"/proc/{daemon.proc.pid}/task").glob("*")
+                for k in (t / "children").read_text().split()]
+    assert children, "the daemon has no worker processes"
+    daemon.remember_children()
+    os.kill(children[0], signal.SIGKILL)
+
+    def restarted():
+        now = samples(fetch(live))
+        after = by_worker(now, "ingestd_worker_restarts_total")
+        grew = {w: after[w] - restarts[w] for w in restarts if after[w] != restarts[w]}
+        up = by_worker(now, "ingestd_worker_up")
+        return len(grew) == 1 and list(grew.values()) == [1] and set(up.values()) == {1}, (grew, up)
+
+    poll(restarted, 30, "one worker's restarts_total to grow by 1 and every worker to be up again")

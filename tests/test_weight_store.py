@@ -1,0 +1,215 @@
+"""The shared weight store: round trips, versions, errors, and torn-read freedom across processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ingestd.errors import BadWeights, ClosedError, CorruptStorage, StorageNotFound
+from ingestd.weights import NoWeightsYet, WeightStore, manifest_of
+
+
+def policy() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def state():
+    return {"w": torch.randn(4, 5), "b": torch.randn(4).bfloat16(), "n": torch.tensor(7),
+            "m": torch.ones(3).bool(),
+            "e": torch.zeros(0, 3), "h": torch.randn(2, 1, 3).half(), "i": torch.arange(5, dtype=torch.int16)}
+
+
+@pytest.fixture
+def writer(tmp_path, state):
+    with WeightStore.create(tmp_path / "weights", manifest_of(state)) as store:
+        yield store
+
+
+def test_publish_read_round_trip_and_versions(writer, state):
+    assert writer.version == 0
+    for expected in (1, 2, 3):
+        state["w"] += 1
+        assert writer.publish(state) == expected
+    with WeightStore.attach(writer.path) as reader:
+        assert reader.version == 3 and reader.manifest == writer.manifest
+        version, got = reader.read()
+        assert version == 3
+        assert_same(got, state)
+        assert reader.read_if_newer(3) is None
+        assert reader.read_if_newer(2)[0] == 3
+        got["w"].zero_()  # the copy is private
+        assert_same(reader.read()[1], state)
+
+
+def test_nothing_published_yet(writer):
+    with WeightStore.attach(writer.path) as reader:
+        assert reader.version == 0
+        assert reader.read_if_newer(0) is None
+        assert reader.load_into(policy(), if_newer_than=0) is None
+        with pytest.raises(NoWeightsYet, match="wait until version > 0"):
+            reader.read()
+
+
+def test_new_buffers_hold_sentinels(writer):
+    raw = np.array(writer._buffers[0])  # buffer 0 is never written by the first publish
+    sentinels = writer._tensors_over(raw)
+    assert torch.isnan(sentinels["w"]).all() and torch.isnan(sentinels["b"].float()).all()
+    assert (sentinels["n"] == torch.iinfo(torch.int64).max).all() and sentinels["m"].all()
+
+
+def test_load_into_module(tmp_path):
+    source, target = policy(), policy()
+    with WeightStore.create(tmp_path / "w", manifest_of(source)) as store:
+        store.publish(source)
+        with WeightStore.attach(store.path) as reader:
+            assert reader.load_into(target) == 1
+            assert reader.load_into(target, if_newer_than=1) is None
+            assert_same(target.state_dict(), source.state_dict())
+            with pytest.raises(BadWeights, match="do not fit Linear"):
+                reader.load_into(torch.nn.Linear(5, 4))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.pop("w"), "missing 'w'"),
+    (lambda s: s.update(x=torch.ones(1)), "unexpected 'x'"),
+    (lambda s: s.update(w=torch.randn(5, 4)), "'w' is float32\\[5, 4\\], expected float32\\[4, 5\\]"),
+    (lambda s: s.update(n=torch.tensor(7.0)), "'n' is float32\\[\\], expected int64\\[\\]"),
+    (lambda s: s.update(w=np.zeros((4, 5), np.float32)), "expected a dense torch.Tensor"),
+], ids=["missing", "unexpected", "shape", "dtype", "not-a-tensor"])
+def test_publish_validates_against_manifest(writer, state, change, message):
+    change(state)
+    with pytest.raises(BadWeights, match=message):
+        writer.publish(state)
+    assert writer.version == 0
+
+
+def test_explicit_versions_must_increase(writer, state):
+    assert writer.publish(state, version=10) == 10
+    assert writer.publish(state) == 11
+    with pytest.raises(ValueError, match="not newer"):
+        writer.publish(state, version=11)
+
+
+def test_readers_cannot_publish_or_be_pickled(writer, state):
+    with WeightStore.attach(writer.path) as reader:
+        with pytest.raises(PermissionError, match="read-only"):
+            reader.publish(state)
+        with pytest.raises(TypeError, match="attach"):
+            pickle.dumps(reader)
+
+
+def test_closed_store_raises(writer):
+    reader = WeightStore.attach(writer.path)
+    reader.close()
+    reader.close()
+    with pytest.raises(ClosedError, match="closed"):
+        reader.version
+    with pytest.raises(ClosedError):
+        reader.read()
+    assert "closed" in repr(reader)
+
+
+@pytest.mark.parametrize("content, error", [(None, StorageNotFound), (b"", CorruptStorage),
+                                            (b"\x01" * 65536, CorruptStorage)],
+                         ids=["missing", "empty", "garbage"])
+def test_attach_rejects_missing_or_foreign_files(tmp_path, content, error):
+    path = tmp_path / "weights"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error):
+        WeightStore.attach(path)
+
+
+def test_create_replaces_an_old_store_atomically(tmp_path, state):
+    with WeightStore.create(tmp_path / "w", manifest_of(state)) as old:
+        old.publish(state)
+        old.publish(state)
+        with WeightStore.attach(old.path) as old_reader, \
+                WeightStore.create(old.path, manifest_of({"x": torch.ones(2)})) as new:
+            assert new.version == 0 and old_reader.version == 2  # the old mapping lives on
+            assert WeightStore.attach(new.path).manifest.names == ("x",)
+    assert [p.name for p in tmp_path.iterdir()] == ["w"]
+
+
+def test_reader_retries_when_its_buffer_is_overwritten_during_the_copy(writer, state):
+    """Deterministic interleaving: two publishes land while the reader copies buffer 1."""
+    writer.publish(state)
+    reader = WeightStore.attach(writer.path)
+    copy, calls = reader._copy_buffer, []
+
+    def slow_copy(index, out):
+        copy(index, out)
+        if not calls:
+            state["w"].fill_(42.0)
+            writer.publish(state)  # into buffer 0
+            writer.publish(state)  # into buffer 1: the one being "copied"
+        calls.append(index)
+
+    reader._copy_buffer = slow_copy
+    version, got = reader.read()
+    assert calls == [1, 1] and version == 3 and (got["w"] == 42).all()
+    reader._copy_buffer = copy
+    reader.close()
+
+
+# -- a reader process racing a writer ---------------------------------------------------
+def racing_state(version: int) -> dict[str, torch.Tensor]:
+    """~5 MB whose every element equals ``version`` (fp16 is exact up to 2048)."""
+    return {"big": torch.full((1_000_000,), version, dtype=torch.float32),
+            "mid": torch.full((250, 250), version, dtype=torch.int64),
+            "half": torch.full((4000,), version, dtype=torch.float16),
+            "scalar": torch.tensor(version, dtype=torch.int32)}
+
+
+def reader_main(path, ready, done, reads, results) -> None:
+    """Child process: read as fast as possible and count reads that mix versions."""
+    torch.set_num_threads(1)
+    seen, torn = set(), 0
+    with WeightStore.attach(path) as store:
+        ready.set()
+        while not done.is_set():
+            version, state = store.read()
+            if not all(bool((t == version).all()) for t in state.values()):
+                torn += 1
+            seen.add(version)
+            reads.value += 1
+    results.put((reads.value, torn, sorted(seen)))
+
+
+def test_reader_process_never_sees_a_torn_state(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready, done, reads, results = ctx.Event(), ctx.Event(), ctx.Value("l", 0, lock=False), ctx.Queue()
+    with WeightStore.create(tmp_path / "w", manifest_of(racing_state(0))) as store:
+        store.publish(racing_state(1))
+        child = ctx.Process(target=reader_main, args=(str(store.path), ready, done, reads, results), daemon=True)
+        child.start()
+        try:
+            assert ready.wait(60), "reader process did not start"
+            state, deadline = racing_state(1), time.monotonic() + 8
+            enough = lambda: reads.value >= 100 and store.version >= 100  # noqa: E731
+            while not enough() and store.version < 2000 and time.monotonic() < deadline:
+                version = store.version + 1
+                for tensor in state.values():
+                    tensor.numpy().fill(version)  # numpy: single-threaded, robust on a busy box
+                store.publish(state)
+            done.set()
+            n_reads, torn, seen = results.get(timeout=30)
+        finally:
+            done.set()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    assert torn == 0, f"{torn} torn reads out of {n_reads}"
+    assert n_reads >= 50 and len(seen) >= 25, (n_reads, len(seen), store.version)
