@@ -5,8 +5,9 @@
 No workers, no storage, no stamps: ``policy(root)`` then
 ``env.step_and_maybe_reset(root)``, as fast as one core goes. Collectors are
 later compared against these figures. Prints one JSON object: per case the
-best and median wall-clock rate of ``repeat`` runs and the rate per CPU
-second (less sensitive to other load on the machine).
+best and median rate of ``repeat`` runs, per wall-clock second and per CPU
+second of this process (the latter is less sensitive to other load on the
+machine; ``load_average_before`` says how busy it was).
 
 ``inprocess_rate`` and ``CASES`` are importable by other benchmarks.
 """
@@ -75,14 +76,15 @@ def run_case(case: Case, seconds: float, repeat: int) -> dict[str, Any]:
     env, policy = case.build()
     try:
         wall = [inprocess_rate(env, policy, seconds=seconds) for _ in range(repeat)]
-        cpu = inprocess_rate(env, policy, seconds=seconds, clock=time.process_time)
+        cpu = [inprocess_rate(env, policy, seconds=seconds, clock=time.process_time) for _ in range(repeat)]
     finally:
         env.close()
     return {
         "env": case.env, "num_envs": case.num_envs, "policy": case.policy,
         "env_kwargs": case.env_kwargs, "policy_kwargs": case.policy_kwargs,
         "frames_per_s_best": round(max(wall)), "frames_per_s_median": round(statistics.median(wall)),
-        "frames_per_cpu_s": round(cpu), "us_per_step": round(case.num_envs / max(wall) * 1e6, 1),
+        "frames_per_cpu_s_best": round(max(cpu)), "frames_per_cpu_s_median": round(statistics.median(cpu)),
+        "us_per_step_best": round(case.num_envs / max(wall) * 1e6, 1),
     }
 
 

@@ -33,9 +33,30 @@ def shared(pytestconfig) -> DaemonProc:
         daemon = DaemonProc(overrides=dict(SETTINGS), env=PLUGIN_ENV)
         pytestconfig.add_cleanup(daemon.close)
         daemon.start()
-        daemon.wait_ready(timeout=60, rows=64)
+        wait_collecting(daemon)
         _daemon = daemon
     return _daemon
+
+
+def wait_collecting(daemon: DaemonProc, rows: int = 64, timeout: float = 60.0) -> None:
+    """Until the daemon reports ``rows`` written and every worker has written, asked over the
+    control socket."""
+    from ingestd import ControlClient, DaemonUnavailable
+
+    deadline = time.monotonic() + timeout
+    with ControlClient(daemon.control_address, timeout=0.5, retries=0) as client:
+        while time.monotonic() < deadline:
+            if daemon.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {daemon.proc.returncode}; log:\n{daemon.log()}")
+            daemon.remember_children()
+            try:
+                status = client.status()
+                if status.replay.write_count >= rows and all(w.frames > 0 for w in status.workers):
+                    return
+            except DaemonUnavailable:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"daemon wrote fewer than {rows} rows in {timeout} s; log:\n{daemon.log()}")
 
 
 def restore(client) -> None:

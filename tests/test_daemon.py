@@ -66,7 +66,7 @@ def test_checksum_rows_verify_and_steps_are_contiguous():
     with DaemonProc(overrides=overrides) as d:
         d.wait_ready(rows=20_000)
         assert d.stop() == 0
-    rows = all_rows(d.replay_path)
+        rows = all_rows(d.replay_path)
     assert rows.batch_size[0] >= 20_000
     assert bool(verify_rows(rows).all()), "a stored row does not verify"
     assert_contiguous(rows)

@@ -184,7 +184,8 @@ def test_promtool_check_rejects_a_broken_expr(tmp_path):
 
 # -- provisioning ------------------------------------------------------------------------------
 def _yaml_lines(path: Path) -> list[str]:
-    return [line.rstrip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [line.rstrip() for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_dashboard_provider_provisioning():

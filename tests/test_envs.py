@@ -2,6 +2,8 @@
 the Gym adapter on real gymnasium, Checksum row verification, Pixels."""
 from __future__ import annotations
 
+import sys
+
 import gymnasium
 import numpy as np
 import pytest
@@ -69,6 +71,14 @@ def test_layout_shapes_dtypes_and_flags(name):
 def test_same_seed_same_rollout(name):
     runs = [[t["next", "observation"].clone() for t, _ in rollout(ENVS[name](ctx(seed=7)), 30)] for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("name", ["CartPole", "Pixels", "Checksum"])
+def test_step_returns_the_input_td_as_the_transition(name):
+    env = ENVS[name](ctx(num_envs=3))
+    root = Random(env.spec, seed=0)(env.reset())
+    transition = env.step(root)
+    assert transition is root and set(transition["next"].keys()) >= {"observation", "reward", "done"}
 
 
 # -- CartPole vs gymnasium CartPole-v1 ----------------------------------------------
@@ -164,6 +174,12 @@ def test_gym_truncation_is_not_termination():
 def test_gym_rejects_unsupported_spaces():
     with pytest.raises(ValueError, match="not supported"):
         Gym(ctx(), id="Blackjack-v1")  # Tuple observation space
+
+
+def test_gym_without_gymnasium_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # makes `import gymnasium` fail
+    with pytest.raises(ImportError, match=r"pip install 'ingestd\[gym\]'"):
+        Gym(ctx())
 
 
 # -- Checksum ----------------------------------------------------------------------------

@@ -36,6 +36,10 @@ def weights_file(tmp_path):
     return str(path)
 
 
+class NotATensor:
+    """Any pickled object: loading it would run code, so weights_only refuses it."""
+
+
 def run(daemon, capsys, *argv: str, as_json: bool = False) -> tuple[int, str, str]:
     """``ingestctl`` in this process (it starts in well under a second, but torch is already here)."""
     args = ["--connect", daemon.control_address, *(["--json"] if as_json else []), *argv]
@@ -85,7 +89,7 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
     wrong = tmp_path / "wrong.pt"
     torch.save({"bias": torch.zeros(3)}, wrong)
     pickled = tmp_path / "pickled.pt"
-    torch.save({"bias": torch.zeros(1), "obj": object.__new__(ValueError)}, pickled)
+    torch.save({"bias": torch.zeros(1), "obj": NotATensor()}, pickled)  # refused by weights_only
     cases = [
         (["push-weights", str(wrong)], cli.EX_FAILED, "bad_weights"),
         (["push-weights", str(tmp_path / "missing.pt")], cli.EX_NOINPUT, "no_input"),

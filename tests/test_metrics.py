@@ -335,6 +335,40 @@ def test_dashboard_exprs_return_series_from_real_prometheus(live):
     poll(empty, 45, "every dashboard expr to return a series", interval=1.0)
 
 
+def test_control_requests_and_weight_pushes_are_counted(live):
+    import torch
+
+    from ingestd.control.client import ControlClient
+    from ingestd.errors import CommandFailed
+    from ingestd.weights.store import WeightStore
+
+    store = WeightStore.attach(live.daemon.runtime_dir / "weights")
+    try:
+        version, state = store.read()
+    finally:
+        store.close()
+    before = samples(fetch(live))
+    with ControlClient(live.daemon.control_address, timeout=20) as client:
+        client.ping()
+        pushed = client.push_weights({k: v + 0.01 for k, v in state.items()}, wait=True)
+        with pytest.raises(CommandFailed) as failed:
+            client.push_weights({k: torch.zeros(v.numel() + 1) for k, v in state.items()})
+    found = samples(fetch(live))
+    assert pushed == version + 1 == value(found, "ingestd_weights_version")
+    assert by_worker(found, "ingestd_worker_weights_version") == {"0": pushed, "1": pushed}  # wait=True
+    assert by_worker(found, "ingestd_policy_lag_versions") == {"0": 0, "1": 0}
+
+    def grew(name, **labels):
+        return value(found, name, **labels) - before.get((name, frozenset(labels.items())), 0)
+
+    assert grew("ingestd_control_requests_total", cmd="ping", outcome="ok") == 1
+    assert grew("ingestd_control_requests_total", cmd="push_weights", outcome="ok") == 1
+    assert grew("ingestd_control_requests_total", cmd="push_weights", outcome=failed.value.code) == 1
+    assert grew("ingestd_weight_push_seconds_count") >= 1
+    count = value(found, "ingestd_weight_push_seconds_count")
+    assert value(found, "ingestd_weight_push_seconds_bucket", le="+Inf") == count
+
+
 def test_killed_worker_counts_a_restart(live):
     daemon = live.daemon
     before = samples(fetch(live))

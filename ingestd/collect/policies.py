@@ -54,8 +54,8 @@ class Random:
         self._gen = _generator(seed)
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        action = torch.randint(0, self.num_actions, td.batch_size, generator=self._gen, device=td.device)
-        td.set("action", action)
+        action = torch.randint(0, self.num_actions, td.batch_size, generator=self._gen)  # CPU stream
+        td.set("action", action if td.device is None else action.to(td.device))
         return td
 
 
@@ -122,7 +122,8 @@ class MLP(_QNet):
                 torch.manual_seed(seed)
                 super().__init__(spec.observation_shape, num_actions, tuple(hidden), epsilon)
         self._gen = _generator(None if seed is None else seed + 1)
-        self._linears = tuple(m for m in self.net if isinstance(m, nn.Linear))  # not registered twice
+        # the Parameter objects themselves: load_state_dict and .to() update them in place
+        self._layers = tuple((m.weight, m.bias) for m in self.net if isinstance(m, nn.Linear))
         self.requires_grad_(False)  # acting only; weights arrive by load_state_dict
 
     @torch.no_grad()
@@ -131,9 +132,9 @@ class MLP(_QNet):
         epsilon = float(self.epsilon)
         if epsilon > 0.0:
             shape = action.shape
-            explore = torch.rand(shape, generator=self._gen) < epsilon
+            explore = torch.rand(shape, generator=self._gen) < epsilon  # CPU stream
             random = torch.randint(0, self.num_actions, shape, generator=self._gen)
-            action = torch.where(explore, random, action)
+            action = torch.where(explore.to(action.device), random.to(action.device), action)
         td.set("action", action)
         return td
 
@@ -142,7 +143,7 @@ class MLP(_QNet):
         policy's time at 256 envs); the same layers, applied functionally."""
         batch = obs.shape[: obs.dim() - self.obs_ndim]
         x = obs.reshape(*batch, self.obs_dim).to(torch.float32)
-        *hidden, last = self._linears
-        for layer in hidden:
-            x = F.linear(x, layer.weight, layer.bias).relu_()
-        return F.linear(x, last.weight, last.bias)
+        *hidden, (weight, bias) = self._layers
+        for w, b in hidden:
+            x = F.linear(x, w, b).relu_()
+        return F.linear(x, weight, bias)

@@ -38,6 +38,27 @@ STATES = tuple(s for s in State if s != State.EMPTY)
 _ALIVE_STATES = {int(State.STARTING), int(State.RUNNING), int(State.PAUSED), int(State.STOPPING)}
 
 
+# Per-worker families: (key, type, name, help). Counter names get ``_total`` from prometheus_client.
+WORKER_METRICS = (
+    ("frames", CounterMetricFamily, "ingestd_frames", "Transitions (env steps x sub-envs) written by the worker."),
+    ("episodes", CounterMetricFamily, "ingestd_episodes", "Episodes finished by the worker."),
+    ("restarts", CounterMetricFamily, "ingestd_worker_restarts",
+     "Times the supervisor restarted the worker (crash, hang or restart command)."),
+    ("up", GaugeMetricFamily, "ingestd_worker_up", "1 if the worker process is alive, else 0."),
+    ("heartbeat", GaugeMetricFamily, "ingestd_worker_heartbeat_age_seconds", "Seconds since the worker's last "
+     "heartbeat."),
+    ("version", GaugeMetricFamily, "ingestd_worker_weights_version",
+     "Weights version the worker has applied (0: none yet)."),
+    ("lag", GaugeMetricFamily, "ingestd_policy_lag_versions", "Current weights version minus the worker's "
+     "applied version (0 when the policy has no weights)."),
+    ("mean", GaugeMetricFamily, "ingestd_worker_episode_return_mean",
+     f"Mean return of the worker's last {RING} finished episodes (absent before the first one)."),
+    ("limiter_s", CounterMetricFamily, "ingestd_limiter_blocked_seconds",
+     "Time the worker spent held back by the rate limiter."),
+    ("limiter_n", CounterMetricFamily, "ingestd_limiter_waits", "Times the rate limiter held the worker back."),
+)
+
+
 @dataclass(frozen=True)
 class BuildInfo:
     version: str
@@ -160,53 +181,17 @@ class IngestdCollector(Collector):
         indices, recs = self._snapshot()
         current = self._weights_version()
         now = self.clock()
-        by_worker = {
-            "frames": CounterMetricFamily("ingestd_frames", "Transitions (env steps x sub-envs) written by "
-                                          "the worker.", labels=["worker"]),
-            "episodes": CounterMetricFamily("ingestd_episodes", "Episodes finished by the worker.",
-                                            labels=["worker"]),
-            "restarts": CounterMetricFamily("ingestd_worker_restarts", "Times the supervisor restarted the "
-                                            "worker (crash, hang or restart command).", labels=["worker"]),
-            "up": GaugeMetricFamily("ingestd_worker_up", "1 if the worker process is alive, else 0.",
-                                    labels=["worker"]),
-            "heartbeat": GaugeMetricFamily("ingestd_worker_heartbeat_age_seconds", "Seconds since the worker's "
-                                           "last heartbeat.", labels=["worker"]),
-            "version": GaugeMetricFamily("ingestd_worker_weights_version", "Weights version the worker has "
-                                         "applied (0: none yet).", labels=["worker"]),
-            "lag": GaugeMetricFamily("ingestd_policy_lag_versions", "Current weights version minus the "
-                                     "worker's applied version (0 when the policy has no weights).",
-                                     labels=["worker"]),
-            "mean": GaugeMetricFamily("ingestd_worker_episode_return_mean", "Mean return of the worker's "
-                                      f"last {RING} finished episodes (absent before the first one).",
-                                      labels=["worker"]),
-            "limiter_s": CounterMetricFamily("ingestd_limiter_blocked_seconds", "Time the worker spent held "
-                                             "back by the rate limiter.", labels=["worker"]),
-            "limiter_n": CounterMetricFamily("ingestd_limiter_waits", "Times the rate limiter held the "
-                                             "worker back.", labels=["worker"]),
-        }
+        families = {key: kind(name, doc, labels=["worker"]) for key, kind, name, doc in WORKER_METRICS}
         state = GaugeMetricFamily("ingestd_worker_state", "1 for the worker's current state, 0 for the others.",
                                   labels=["worker", "state"])
         for index, rec in zip(indices.tolist(), recs):
             w = [str(index)]
-            applied = int(rec["weights_version"])
-            alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
-            by_worker["frames"].add_metric(w, int(rec["frames"]))
-            by_worker["episodes"].add_metric(w, int(rec["episodes"]))
-            by_worker["restarts"].add_metric(w, int(rec["restarts"]))
-            by_worker["up"].add_metric(w, 1 if alive else 0)
-            by_worker["heartbeat"].add_metric(w, max(0.0, now - float(rec["heartbeat"])))
-            by_worker["version"].add_metric(w, applied)
-            by_worker["lag"].add_metric(w, max(0, current - applied) if current > 0 else 0)
-            by_worker["limiter_s"].add_metric(w, float(rec["limiter_blocked_s"]))
-            by_worker["limiter_n"].add_metric(w, int(rec["limiter_waits"]))
-            recent = rec["returns"][:min(int(rec["returns_count"]), RING)]
-            recent = recent[np.isfinite(recent)]
-            if recent.size:
-                by_worker["mean"].add_metric(w, float(recent.mean()))
+            for key, value in self._worker_values(rec, current, now).items():
+                families[key].add_metric(w, value)
             for s in STATES:
                 state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
             self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
-        return [*by_worker.values(), state,
+        return [*families.values(), state,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
                                   value=int(self.desired_workers())),
                 GaugeMetricFamily("ingestd_weights_version", "Version of the newest weights in the weight store "
@@ -216,6 +201,22 @@ class IngestdCollector(Collector):
                 CounterMetricFamily("ingestd_episode_returns_dropped", "Finished episodes whose return was "
                                     "overwritten in the ring before a scrape could read it.",
                                     value=self.returns.dropped)]
+
+    def _worker_values(self, rec: np.void, current: int, now: float) -> dict[str, float]:
+        """One worker's values, keyed as in ``WORKER_METRICS`` (``mean`` only once an episode finished)."""
+        applied = int(rec["weights_version"])
+        alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
+        values = {
+            "frames": int(rec["frames"]), "episodes": int(rec["episodes"]), "restarts": int(rec["restarts"]),
+            "up": 1 if alive else 0, "heartbeat": max(0.0, now - float(rec["heartbeat"])),
+            "version": applied, "lag": max(0, current - applied) if current > 0 else 0,
+            "limiter_s": float(rec["limiter_blocked_s"]), "limiter_n": int(rec["limiter_waits"]),
+        }
+        recent = rec["returns"][:min(int(rec["returns_count"]), RING)]
+        recent = recent[np.isfinite(recent)]
+        if recent.size:
+            values["mean"] = float(recent.mean())
+        return values
 
     def _weights_version(self) -> int:
         return int(self.weights.version) if self.weights is not None else 0

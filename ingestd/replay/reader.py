@@ -31,7 +31,6 @@ _REDRAW_ROUNDS = 64  # rejection rounds over [0, len) before scanning for commit
 _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
 _POLL_S = 0.002
 _POOL = 1 << 16  # random draws made at once
-_PERM_CACHE = 8  # batch sizes whose transposition indices are kept
 
 
 class ReplayReader(MappedStore):
@@ -47,43 +46,30 @@ class ReplayReader(MappedStore):
         self._records = files.record_array(self._data, self._layout, self.capacity)
         self._groups = self._plan_groups()
         self._columns = [self.leaves[k] for k in self._layout.columns]
-        order = [k for _, keys, _ in self._groups for k in keys] + list(self._layout.columns)
+        order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
         self._nodes = _plan_nodes(order)
-        self._perms: dict[int, list] = {}
         self._new_td = _td_factory()
 
-    def _plan_groups(self) -> list[tuple[np.dtype, list, int]]:
-        """``(numpy dtype, keys, first field offset)`` for runs of equal leaves in the record."""
-        groups: list[tuple[np.dtype, list, int]] = []
+    def _plan_groups(self) -> list[tuple[list, tuple, np.dtype, int, tuple]]:
+        """Runs of leaves with equal dtype and shape lying side by side in the record, each as
+        ``(keys, shape, dtype, offset, strides)`` of a ``(leaves, *shape)`` view of one record."""
+        runs: list[list] = []
         fields = self._layout.fields
         for key in sorted(fields, key=fields.__getitem__):
-            leaf = self.schema[key]
-            if groups:
-                dtype, keys, first = groups[-1]
-                prev = self.schema[keys[-1]]
-                if files.group_of(prev) == files.group_of(leaf) and fields[key] == fields[keys[-1]] + prev.row_bytes:
-                    keys.append(key)
+            if runs:
+                last = runs[-1][-1]
+                same = files.group_of(self.schema[last]) == files.group_of(self.schema[key])
+                if same and fields[key] == fields[last] + self.schema[last].row_bytes:
+                    runs[-1].append(key)
                     continue
-            groups.append((numpy_dtype(leaf.dtype), [key], fields[key]))
+            runs.append([key])
+        groups = []
+        for keys in runs:
+            leaf = self.schema[keys[0]]
+            strides = self._arrays[keys[0]].strides[1:]  # within one row: C order
+            groups.append((keys, (len(keys), *leaf.shape), numpy_dtype(leaf.dtype), fields[keys[0]],
+                           (leaf.row_bytes, *strides)))
         return groups
-
-    def _transposers(self, n: int) -> list[tuple[np.dtype, np.ndarray]]:
-        """For each group, the element indices into ``n`` gathered records (viewed as the
-        group's dtype) that give a C-contiguous ``(leaves, n, *shape)`` array."""
-        perms = self._perms.get(n)
-        if perms is None:
-            if len(self._perms) >= _PERM_CACHE:
-                self._perms.clear()
-            perms = []
-            for dtype, keys, first in self._groups:
-                leaf = self.schema[keys[0]]
-                size, per_row = dtype.itemsize, max(leaf.row_bytes // dtype.itemsize, 0)
-                index = (first // size + np.arange(len(keys))[:, None, None] * per_row
-                         + np.arange(n)[None, :, None] * (self._layout.record_bytes // size)
-                         + np.arange(per_row)[None, None, :])
-                perms.append((dtype, index.reshape(len(keys), n, *leaf.shape)))
-            self._perms[n] = perms
-        return perms
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, timeout: float | None = None) -> TensorDict:
@@ -177,8 +163,11 @@ class ReplayReader(MappedStore):
 
     def _assemble(self, records: np.ndarray, columns: list, n: int) -> TensorDict:
         flat: list[torch.Tensor] = []
-        for dtype, perm in self._transposers(n):
-            flat.extend(torch.from_numpy(records.view(dtype)[perm]).unbind(0))
+        record_bytes = self._layout.record_bytes
+        for _, shape, dtype, offset, strides in self._groups:
+            # (n, leaves, *shape) through the gathered records -> contiguous (leaves, n, *shape)
+            rows = np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides))
+            flat.extend(torch.from_numpy(rows.swapaxes(0, 1).copy()).unbind(0))
         flat.extend(columns)
         batch = torch.Size([n])
         built: list[TensorDict] = []

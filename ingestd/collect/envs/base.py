@@ -67,7 +67,9 @@ class TorchEnv(ABC):
         is its final observation; the base calls ``_reset`` afterwards."""
 
     def _root_extras(self) -> dict[str, torch.Tensor]:
-        """Extra keys for the root about to be handed out (after ``_reset``)."""
+        """Extra keys for the root about to be handed out, from the sub-envs'
+        current state (called after every ``_step`` and ``_reset``). ``_step``'s
+        extras go to ``"next"`` only; keys wanted in the root come from here."""
         return {}
 
     def _close(self) -> None:
@@ -80,35 +82,38 @@ class TorchEnv(ABC):
 
     def step(self, td: TensorDict) -> TensorDict:
         """Step with ``td["action"]``; returns ``td`` with ``"next"`` filled in (the transition)."""
-        obs, reward, terminated, truncated, extras = self._step(td.get("action"))
-        shape = self._flag_shape
-        terminated = terminated.view(shape)
-        truncated = truncated.view(shape)
-        nxt = {
-            "observation": obs,
-            "reward": reward.view(shape),
-            "done": terminated | truncated,
-            "terminated": terminated,
-            "truncated": truncated,
-            **extras,
-        }
-        td.set("next", _tensordict(nxt, self._batch))
-        return td
+        return self._transition(td)[0]
 
     def step_and_maybe_reset(self, td: TensorDict) -> tuple[TensorDict, TensorDict]:
         """The transition, and the next root with finished sub-envs reset."""
-        transition = self.step(td)
-        nxt = transition.get("next")
-        done = nxt.get("done").view(self._batch)
-        obs = self._reset(done) if bool(done.any()) else nxt.get("observation")
+        transition, done, obs = self._transition(td)
+        if bool(done.any()):
+            obs = self._reset(done)
         return transition, self._root(obs)
 
     def close(self) -> None:
         self._close()
 
     # -- layout -------------------------------------------------------------------
+    def _transition(self, td: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Tensor]:
+        """``td`` with ``"next"`` set, plus ``done [B]`` and the next observation."""
+        obs, reward, terminated, truncated, extras = self._step(td.get("action"))
+        done = terminated | truncated
+        shape = self._flag_shape
+        nxt = {
+            "observation": obs,
+            "reward": reward.view(shape),
+            "done": done.view(shape),
+            "terminated": terminated.view(shape),
+            "truncated": truncated.view(shape),
+            **extras,
+        }
+        td.set("next", _tensordict(nxt, self._batch))
+        return td, done, obs
+
     def _root(self, obs: torch.Tensor) -> TensorDict:
-        done, terminated, truncated = torch.zeros((3, *self._flag_shape), dtype=torch.bool).unbind(0)
+        flags = torch.zeros((3, *self._flag_shape), dtype=torch.bool, device=self.device)
+        done, terminated, truncated = flags.unbind(0)
         root = {"observation": obs, "done": done, "terminated": terminated, "truncated": truncated}
         root.update(self._root_extras())
         return _tensordict(root, self._batch)

@@ -92,7 +92,7 @@ class CartPole(TorchEnv):
         #   temp = (force + PML * theta_dot^2 * sin) / M
         #   theta_acc = (G * sin - cos * temp) / (L * (4/3 - MP * cos^2 / M))
         #   x_acc = temp - PML * theta_acc * cos / M
-        force_by_mass = self._forces_by_mass.index_select(0, action.view(-1))
+        force_by_mass = self._forces_by_mass.index_select(0, action)
         temp = torch.addcmul(force_by_mass, theta_dot * theta_dot, sin, value=POLEMASS_LENGTH / TOTAL_MASS)
         numerator = torch.addcmul(sin * GRAVITY, cos, temp, value=-1.0)
         denominator = torch.addcmul(self._four_thirds_length, cos, cos, value=-LENGTH * MASSPOLE / TOTAL_MASS)

@@ -13,7 +13,9 @@ worker ``w``:
 The env keeps its own ``(e, s)`` counters: episode ids start at
 ``ctx.episode_base`` and go up by one per finished episode, exactly as the
 worker's ``("ingestd", ...)`` stamps must, so ``verify_rows`` also checks the
-worker's stamping. The action is ignored (2 discrete actions).
+worker's stamping. A second ``reset()`` abandons the running episodes and
+starts episode ``e + 1`` everywhere. The action is ignored (2 discrete
+actions; ``verify_rows`` only checks it is one of them).
 
 Hashes are splitmix64 on int64 tensors (wrapping multiply, masked shifts),
 identical in every process; Python's ``hash()`` is never used.

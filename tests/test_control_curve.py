@@ -1,0 +1,107 @@
+"""A tcp:// control socket requires CURVE: authorised keys work, unknown keys get nothing."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from control_daemon import PLUGIN_ENV, SETTINGS, wait_for
+from daemon_proc import DaemonProc, free_port
+from ingestd import ControlClient, DaemonUnavailable
+from ingestd.control import cli
+from ingestd.control.client import CurveKeys, EventStream
+from ingestd.control.curve import keygen
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("curve")
+    authorized = root / "authorized"
+    authorized.mkdir()
+    made = {name: keygen(root, name) for name in ("server", "trainer", "intruder")}
+    shutil.copy(made["trainer"][0], authorized / "trainer.key")
+    return root, authorized, made
+
+
+@pytest.fixture(scope="module")
+def daemon(keys):
+    root, authorized, made = keys
+    control, events = free_port(), free_port()
+    overrides = {**SETTINGS, "control.address": f"tcp://127.0.0.1:{control}",
+                 "control.events_address": f"tcp://127.0.0.1:{events}",
+                 "control.curve_secret_key": str(made["server"][1]), "control.curve_authorized_keys": str(authorized)}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        with ControlClient(d.control_address, timeout=1.0, curve_keys=_keys(made, "trainer")) as c:
+            wait_for(lambda: _alive(d, c), 60, "the daemon to answer over CURVE", interval=0.1)
+        yield d
+
+
+def _keys(made, name: str) -> CurveKeys:
+    return CurveKeys.load(made["server"][0], made[name][1])
+
+
+def _alive(d: DaemonProc, client: ControlClient) -> bool:
+    assert d.proc.poll() is None, d.log()
+    try:
+        return client.status().replay.write_count > 0
+    except DaemonUnavailable:
+        return False
+
+
+def test_authorised_client_controls_the_daemon(daemon, keys):
+    with ControlClient(daemon.control_address, timeout=3.0, curve_keys=_keys(keys[2], "trainer")) as c:
+        assert c.ping()["pong"]
+        assert c.pause().workers == [0, 1]
+        assert c.status().desired == "pause"
+        assert c.resume().workers == [0, 1]
+
+
+def test_unknown_key_gets_nothing_and_cannot_pause(daemon, keys):
+    with ControlClient(daemon.control_address, timeout=0.5, retries=0,
+                       curve_keys=_keys(keys[2], "intruder")) as intruder:
+        with pytest.raises(DaemonUnavailable):
+            intruder.ping()
+        with pytest.raises(DaemonUnavailable):
+            intruder.pause(timeout_s=0.5)
+    with ControlClient(daemon.control_address, timeout=0.5, retries=0) as plain:  # no CURVE at all
+        with pytest.raises(DaemonUnavailable):
+            plain.ping()
+    with ControlClient(daemon.control_address, timeout=3.0, curve_keys=_keys(keys[2], "trainer")) as c:
+        status = c.status()
+        assert status.desired == "run" and all(w.state == "running" for w in status.workers)
+        mark = status.replay.write_count
+        wait_for(lambda: c.status().replay.write_count > mark, 5, "collection to go on")
+
+
+def test_events_need_an_authorised_key_too(daemon, keys):
+    made = keys[2]
+    with ControlClient(daemon.control_address, timeout=3.0, curve_keys=_keys(made, "trainer")) as c:
+        address = c.ping()["events_address"]
+        assert address.startswith("tcp://")
+        with EventStream(address, ("paused",), curve_keys=_keys(made, "trainer")) as good, \
+                EventStream(address, ("paused",), curve_keys=_keys(made, "intruder")) as bad:
+            got = None
+            deadline = time.monotonic() + 10
+            while got is None and time.monotonic() < deadline:
+                c.pause()
+                c.resume()
+                got = good.next(0.3)
+            assert got is not None and got.topic == "paused"
+            assert bad.next(0.3) is None
+
+
+def test_ingestctl_with_keys_and_reloaded_authorisation(daemon, keys, capsys):
+    root, authorized, made = keys
+    base = ["--connect", daemon.control_address, "--timeout", "0.5", "--server-key", str(made["server"][0])]
+    assert cli.main([*base, "--client-key", str(made["trainer"][1]), "ping"]) == 0
+    assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
+    shutil.copy(made["intruder"][0], authorized / "intruder.key")
+    try:
+        assert cli.main([*base, "--client-key", str(made["trainer"][1]), "reload"]) == 0
+        assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == 0
+    finally:
+        (authorized / "intruder.key").unlink()
+        assert cli.main([*base, "--client-key", str(made["trainer"][1]), "reload"]) == 0
+    assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
+    capsys.readouterr()

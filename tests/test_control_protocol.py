@@ -1,0 +1,148 @@
+"""The control protocol without a daemon: headers, commands, limits, replies, key files."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import zmq
+from hypothesis import given, settings, strategies as st
+
+from ingestd import BadReply, CommandFailed
+from ingestd.control import curve
+from ingestd.control.commands import COMMANDS, GetStatus, Pause, PushWeights, Restart, Scale, Status
+from ingestd.control.protocol import (
+    ErrorCode, Limits, RequestError, decode_reply, encode_error, encode_header, encode_result, parse_header, peek_id,
+)
+from ingestd.control.server import bind_private
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"", "bad_request"),
+    (b"\xff", "bad_request"),
+    (b"null", "bad_request"),
+    (b'{"v": 1, "id": 1, "cmd": "ping", "args": NaN}', "bad_request"),
+    (b'{"id": 1, "cmd": "ping"}', "unsupported_version"),
+    (b'{"v": true, "id": 1, "cmd": "ping"}', "unsupported_version"),
+    (b'{"v": 1, "cmd": "ping"}', "bad_request"),
+    (b'{"v": 1, "id": 1.5, "cmd": "ping"}', "bad_request"),
+    (b'{"v": 1, "id": true, "cmd": "ping"}', "bad_request"),
+    (b'{"v": 1, "id": 1, "cmd": ""}', "bad_request"),
+    (b'{"v": 1, "id": 1, "cmd": 3}', "bad_request"),
+    (b'{"v": 1, "id": 1, "cmd": "ping", "args": []}', "bad_request"),
+    (b'{"v": 1, "id": 1, "cmd": "ping", "extra": 0}', "bad_request"),
+    ((b'{"v": 1, "id": "' + b"x" * 200 + b'", "cmd": "ping"}'), "bad_request"),
+    (b"[" * 100_000, "bad_request"),  # deep nesting: RecursionError must not escape
+])
+def test_bad_headers(frame, code):
+    with pytest.raises(RequestError) as err:
+        parse_header(frame)
+    assert err.value.code.value == code
+
+
+def test_good_header_round_trip():
+    header = parse_header(encode_header("abc", "scale", {"count": 3}))
+    assert (header.id, header.cmd, header.args) == ("abc", "scale", {"count": 3})
+    assert peek_id(b'{"id": 42, "v": 9}') == 42 and peek_id(b"junk") is None
+
+
+@given(st.binary(max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_parse_or_fail_cleanly(frame):
+    try:
+        parse_header(frame)
+    except RequestError:
+        pass
+
+
+@pytest.mark.parametrize("cls, args, payload, ok", [
+    (Scale, {"count": 4}, [], Scale(count=4)),
+    (Scale, {}, [], None),
+    (Scale, {"count": 257}, [], None),
+    (Scale, {"count": True}, [], None),
+    (Scale, {"count": 2.0}, [], None),
+    (Pause, {"timeout_s": 2}, [], Pause(timeout_s=2.0)),
+    (Pause, {"timeout_s": float("inf")}, [], None),
+    (Pause, {"timeout_s": -1}, [], None),
+    (Pause, {}, [b"x"], None),
+    (Restart, {"workers": [2, 0, 2]}, [], Restart(workers=(0, 2))),
+    (Restart, {"workers": []}, [], None),
+    (Restart, {"workers": [-1]}, [], None),
+    (Restart, {"wait": "yes"}, [], None),
+    (GetStatus, {"verbose": True}, [], None),
+    (PushWeights, {"wait": False}, [b"a", b"b"], PushWeights(wait=False)),
+    (PushWeights, {}, [b"a"], None),
+    (PushWeights, {}, [b"a", b"b", b"c"], None),
+])
+def test_command_arguments_are_checked(cls, args, payload, ok):
+    if ok is None:
+        with pytest.raises(RequestError) as err:
+            cls.decode(args, payload)
+        assert err.value.code is ErrorCode.BAD_REQUEST
+    else:
+        assert cls.decode(args, payload) == ok
+
+
+def test_requests_encode_to_what_they_decode_from():
+    for request in (Scale(count=3, wait=False), Restart(workers=(1, 2)), Pause(timeout_s=1.5),
+                    PushWeights(wait=True, frames=(b"m", b"p"))):
+        args, payload = request.encode()
+        assert json.loads(json.dumps(args)) == args
+        assert type(request).decode(args, payload) == request
+    assert sorted(COMMANDS) == sorted(["ping", "status", "config", "pause", "resume", "restart", "scale",
+                                       "push_weights", "reload"])
+
+
+@pytest.mark.parametrize("sizes, code", [
+    ([], "bad_request"), ([10] * 9, "too_large"), ([100, 2000], "too_large"), ([1001], "too_large"),
+])
+def test_limits(sizes, code):
+    limits = Limits(max_frames=8, max_total_bytes=2000, max_header_bytes=1000)
+    with pytest.raises(RequestError) as err:
+        limits.check_sizes(sizes)
+    assert err.value.code.value == code
+    limits.check_sizes([1000, 1000])
+
+
+def test_replies():
+    ok = decode_reply([encode_result(7, {"x": float("nan")})])
+    assert ok.ok and ok.id == 7 and ok.result == {"x": None}  # strict JSON: NaN travels as null
+    failed = decode_reply([encode_error("a", ErrorCode.BUSY, "later")])
+    with pytest.raises(CommandFailed) as err:
+        failed.unwrap()
+    assert err.value.code == "busy" and ErrorCode.BUSY.retryable and not ErrorCode.BAD_WEIGHTS.retryable
+    for frames in ([b"{}"], [b"x"], [b'{"v": 1, "ok": false}'], [b'{"v": 1, "ok": true}'], [b"{}", b"{}"]):
+        with pytest.raises(BadReply):
+            decode_reply(frames)
+    with pytest.raises(BadReply, match="lacks"):
+        Status.from_json({"pid": 1})
+
+
+def test_ipc_socket_mode_is_private_even_with_a_lax_umask(tmp_path):
+    old = os.umask(0)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        path = tmp_path / "c.sock"
+        bind_private(sock, f"ipc://{path}")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        assert os.umask(0) == 0  # restored
+    finally:
+        os.umask(old)
+        sock.close(0)
+
+
+def test_key_files(tmp_path):
+    public, secret = curve.keygen(tmp_path, "a")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    pub, sec = curve.load_secret(secret)
+    assert curve.load_public(public) == pub == curve.load_public(pub.decode())
+    with pytest.raises(FileExistsError):
+        curve.keygen(tmp_path, "a")
+    (tmp_path / "bad.key").write_text('public-key = "short"\n')
+    with pytest.raises(curve.KeyFileError):
+        curve.load_public(tmp_path / "bad.key")
+    with pytest.raises(curve.KeyFileError):
+        curve.load_secret(public)  # a public file holds no secret
+    with pytest.raises(ValueError):
+        curve.keygen(tmp_path, "../escape")
