@@ -99,7 +99,7 @@ class StallingStorage(PayloadStorage):
 
     def __init__(self, path, stalled, release, report):
         super().__init__(path)
-        self._stalled, self._release, self._report = stalled, release, report
+        self._stalled, self._resume, self._report = stalled, release, report
 
     def _fill(self, index: np.ndarray, batch: TensorDict) -> None:
         full = rows(self.schema, index)
@@ -109,7 +109,7 @@ class StallingStorage(PayloadStorage):
                 self.leaves[key][dst].copy_(full.get(key)[part])
         self._report.put((int(index[0]), int(index.size)))
         self._stalled.set()
-        while not self._release.wait(0.05):
+        while not self._resume.wait(0.05):
             pass
         super()._fill(index, batch)
 

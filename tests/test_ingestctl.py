@@ -120,10 +120,12 @@ def test_real_entry_point(daemon, tmp_path):
     assert usage.returncode == cli.EX_USAGE and "invalid choice" in usage.stderr
 
 
-def test_events_follow_the_stream(daemon, client):
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_events_follow_the_stream(daemon, client, as_json):
     follower = subprocess.Popen(
-        [sys.executable, "-m", "ingestd.control.cli", "--connect", daemon.control_address, "--json", "events",
-         "--topic", "paused", "--topic", "resumed", "--count", "2", "--duration", "20"],
+        [sys.executable, "-m", "ingestd.control.cli", "--connect", daemon.control_address,
+         *(["--json"] if as_json else []), "events", "--topic", "paused", "--topic", "resumed", "--count", "2",
+         "--duration", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
@@ -137,9 +139,14 @@ def test_events_follow_the_stream(daemon, client):
             follower.kill()
             follower.wait()
     assert follower.returncode == 0, err
-    events = [json.loads(line) for line in out.splitlines()]
-    assert len(events) == 2 and {e["topic"] for e in events} <= {"paused", "resumed"}
-    assert all(e["event"]["workers"] == [0, 1] for e in events)
+    lines = out.splitlines()
+    assert len(lines) == 2
+    if as_json:
+        events = [json.loads(line) for line in lines]
+        assert {e["topic"] for e in events} <= {"paused", "resumed"}
+        assert all(e["event"]["workers"] == [0, 1] for e in events)
+    else:
+        assert all((" paused " in line or " resumed " in line) and "workers=[0, 1]" in line for line in lines)
 
 
 def test_keygen_modes(tmp_path, capsys):

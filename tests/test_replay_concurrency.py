@@ -23,7 +23,8 @@ RUN_S = 2.0  # how long writers and readers run together in each test
 def ctx():
     """Children fork from a server that imported torch once (spawning each would re-import it)."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["replay_payload"])
+    # (Python 3.11's forkserver ignores sys.path, so replay_payload itself may not preload)
+    context.set_forkserver_preload(["torch", "tensordict", "ingestd.replay", "replay_payload"])
     yield context
     from multiprocessing import forkserver
     stop = getattr(forkserver._forkserver, "_stop", None)  # the server outlives us otherwise

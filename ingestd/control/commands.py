@@ -195,27 +195,28 @@ COMMANDS: dict[str, type[Request]] = {
 class Result:
     """Typed results: ``to_json`` on the daemon, ``from_json`` (lenient about extra keys) on the client."""
 
+    _names: ClassVar[dict[type, tuple[str, ...]]] = {}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        names = Result._names.get(cls)
+        if names is None:
+            names = Result._names[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        return names
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-able dicts (shallow: cheap enough for status at thousands of requests/s)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in self.field_names()}
 
     @classmethod
     def from_json(cls, obj: Any):
         if not isinstance(obj, dict):
             raise BadReply(f"{cls.__name__}: expected a JSON object, got {type(obj).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = cls.field_names()
         missing = sorted(n for n in names if n not in obj)
         if missing:
             raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?")
         return cls(**{k: v for k, v in obj.items() if k in names})
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Result):
-        return value.to_json()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,12 @@ class Status(Result):
     replay: ReplayStatus
     workers: list[WorkerStatus]
     config: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["replay"] = self.replay.to_json()
+        out["workers"] = [w.to_json() for w in self.workers]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> Status:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ingestd.collect.stats import Desired, State
@@ -23,128 +20,11 @@ from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pushed, PushWeights, Reload, Reloaded, ReplayStatus, Request,
     Restart, Resume, Scale, Status, WorkerStatus,
 )
+from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, RequestError
 from ingestd.errors import BadWeights, ConfigError
 
 log = logging.getLogger("ingestd.control")
-
-POLL_S = 0.0005  # how often a waiting command re-reads the stats blocks
-LIVENESS_EVERY = 20  # polls between /proc liveness checks of the workers waited for
-RATE_WINDOW_S = 5.0
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie (a dead, unreaped worker is not live)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
-class FrameRates:
-    """frames/s per worker over a sliding window; sampled by the control thread only."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S):
-        self.window_s = window_s
-        self._samples: dict[int, deque[tuple[float, int]]] = {}
-
-    def sample(self, now: float, frames: dict[int, int]) -> None:
-        for index in list(self._samples):
-            if index not in frames:
-                del self._samples[index]
-        for index, count in frames.items():
-            ring = self._samples.setdefault(index, deque())
-            if ring and count < ring[-1][1]:
-                ring.clear()
-            ring.append((now, count))
-            while len(ring) > 2 and now - ring[1][0] >= self.window_s:
-                ring.popleft()
-
-    def rate(self, index: int) -> float:
-        ring = self._samples.get(index)
-        if not ring or len(ring) < 2 or ring[-1][0] <= ring[0][0]:
-            return 0.0
-        (t0, f0), (t1, f1) = ring[0], ring[-1]
-        return (f1 - f0) / (t1 - t0)
-
-
-@dataclass
-class Context:
-    """What handlers get: the daemon, and the server's thread-safe helpers."""
-
-    daemon: Any  # ingestd.service.daemon.Daemon
-    events_address: str
-    publish: Callable[..., None]  # publish(kind, **fields): thread-safe, best-effort
-    on_reload: Callable[[], None] = lambda: None  # e.g. re-read the authorised CURVE keys
-    rates: FrameRates = field(default_factory=FrameRates)
-    stopping: threading.Event = field(default_factory=threading.Event)
-    change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload
-    push_lock: threading.Lock = field(default_factory=threading.Lock)  # one publisher of the weight store
-    _config_cache: tuple[int, dict] | None = None
-
-    def deadline(self, request: Request) -> float:
-        wait = request.wait_s or self.daemon.config.control.ack_timeout_s
-        return time.monotonic() + wait
-
-    def config_dict(self) -> dict:
-        config = self.daemon.config
-        if self._config_cache is None or self._config_cache[0] != id(config):
-            self._config_cache = (id(config), config.to_dict())
-        return self._config_cache[1]
-
-    def on_main(self, fn: Callable[[], Any], deadline: float) -> Any:
-        """Run ``fn`` in the daemon's main thread and return its result."""
-        future = self.daemon.submit(fn)
-        while True:
-            self._check_stopping()
-            try:
-                return future.result(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            except FutureTimeout:
-                if time.monotonic() >= deadline:
-                    future.cancel()
-                    raise RequestError(ErrorCode.TIMEOUT, "the daemon's main loop did not take the command "
-                                                          "before the deadline (is it overloaded?)") from None
-
-    def _check_stopping(self) -> None:
-        if self.stopping.is_set():
-            raise RequestError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
-
-    def slots(self) -> list[int]:
-        """Worker indices the supervisor manages (a snapshot; the main thread owns the dict)."""
-        for _ in range(10):
-            try:
-                return sorted(self.daemon.supervisor.slots)
-            except RuntimeError:  # changed size during iteration
-                continue
-        return []
-
-    def wait(self, pending: dict[int, int], verdict: Callable[[int, int, Any], bool | None], deadline: float,
-             what: str, drop_dead: bool = True) -> tuple[list[int], list[int]]:
-        """Poll until ``verdict(index, pid, record)`` is True (done) or False (dropped) for every
-        pending worker (``{index: pid}``); ``(done, dropped)`` or ``timeout``. With ``drop_dead``
-        a worker whose process ``pid`` has died is dropped (it cannot acknowledge any more)."""
-        stats, done, dropped, polls = self.daemon.layout.stats, [], [], 0
-        while pending:
-            for index, pid in list(pending.items()):
-                outcome = verdict(index, pid, stats[index])
-                if outcome is None and drop_dead and polls % LIVENESS_EVERY == 0 and pid and not pid_alive(pid) \
-                        and int(stats[index]["pid"]) == pid:
-                    outcome = False  # the process waited for is gone
-                if outcome is not None:
-                    (done if outcome else dropped).append(index)
-                    del pending[index]
-            if not pending:
-                break
-            self._check_stopping()
-            if time.monotonic() >= deadline:
-                raise RequestError(ErrorCode.TIMEOUT, f"worker(s) {sorted(pending)} did not {what} before the "
-                                                      "deadline; the request stays in effect")
-            polls += 1
-            time.sleep(POLL_S)
-        return sorted(done), sorted(dropped)
 
 
 # -- fast handlers (control thread) ---------------------------------------------------
@@ -155,18 +35,29 @@ def ping(ctx: Context, request: Ping) -> dict:
             "events_address": ctx.events_address, "time": time.time()}
 
 
-def _worker_status(ctx: Context, index: int, now: float) -> WorkerStatus:
-    stats = ctx.daemon.layout.stats
-    rec = stats[index]
-    pid = int(rec["pid"])
-    count = int(rec["returns_count"])
-    last = stats.recent_returns(index, 1)[0][0] if count else None
-    alive = pid > 0 and State(int(rec["state"])) not in (State.STOPPED, State.FAILED, State.EMPTY)
-    return WorkerStatus(
-        index=index, state=State(int(rec["state"])).label, pid=pid, incarnation=int(rec["incarnation"]),
-        frames=int(rec["frames"]), frames_per_s=round(ctx.rates.rate(index), 1), episodes=int(rec["episodes"]),
-        last_return=last, restarts=int(rec["restarts"]), weights_version=int(rec["weights_version"]),
-        heartbeat_age_s=round(now - float(rec["heartbeat"]), 4) if alive else None, error=stats.error(index))
+_STATUS_FIELDS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
+                  "returns_count")
+_NOT_LIVE = (State.STOPPED, State.FAILED, State.EMPTY)
+
+
+def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
+    """Every worker's status from one copy of their stats records (cheap at 1,000 requests/s)."""
+    if not indices:
+        return []
+    records = ctx.daemon.layout.stats.records[indices]  # fancy indexing: one consistent-enough copy
+    cols = {name: records[name].tolist() for name in _STATUS_FIELDS}
+    out = []
+    for k, index in enumerate(indices):
+        state, pid, count = State(cols["state"][k]), cols["pid"][k], cols["returns_count"][k]
+        ring = records["returns"][k]
+        out.append(WorkerStatus(
+            index=index, state=state.label, pid=pid, incarnation=cols["incarnation"][k], frames=cols["frames"][k],
+            frames_per_s=round(ctx.rates.rate(index), 1), episodes=cols["episodes"][k],
+            last_return=float(ring[(count - 1) % len(ring)]) if count else None, restarts=cols["restarts"][k],
+            weights_version=cols["weights_version"][k],
+            heartbeat_age_s=round(now - cols["heartbeat"][k], 4) if pid > 0 and state not in _NOT_LIVE else None,
+            error=bytes(records["error"][k]).decode("utf-8", "replace")))
+    return out
 
 
 def status(ctx: Context, request: GetStatus) -> dict:
@@ -178,7 +69,7 @@ def status(ctx: Context, request: GetStatus) -> dict:
         pid=os.getpid(), uptime_s=round(time.time() - daemon.started_at, 3), desired=Desired(sup.desired).name.lower(),
         count=sup.count, weights_version=weights.version if weights is not None else 0,
         replay=ReplayStatus(str(storage.path), min(write_count, storage.capacity), storage.capacity, write_count),
-        workers=[_worker_status(ctx, i, now) for i in ctx.slots()], config=ctx.config_dict()).to_json()
+        workers=_workers_status(ctx, ctx.slots(), now), config=ctx.config_dict()).to_json()
 
 
 def get_config(ctx: Context, request: GetConfig) -> dict:
@@ -327,11 +218,14 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
         raise RequestError(ErrorCode.NO_WEIGHTS, "the configured policy has no weights to replace")
     try:
         state = decode(request.frames, expected=layout.manifest, max_raw_bytes=layout.manifest.total_bytes)
+        decoded = time.monotonic()
         with ctx.push_lock:
             version = layout.weights.publish(state)
     except BadWeights as exc:
+        log.warning("rejected a weight push: %s", exc)
         raise RequestError(ErrorCode.BAD_WEIGHTS, f"{exc}; nothing was changed") from None
     del state
+    published = time.monotonic()
     ctx.publish("weights.published", version=version)
     applied: list[int] = []
     deferred: list[int] = []
@@ -353,6 +247,9 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
         applied, _ = ctx.wait(pending, verdict, deadline, f"apply weights version {version}")
     seconds = time.monotonic() - started
     ctx.daemon.telemetry.observe_push(seconds)
+    log.info("weights v%d: %.1f MB decoded in %.1f ms, published in %.1f ms, applied by %s after %.1f ms in total",
+             version, layout.manifest.total_bytes / 1e6, (decoded - started) * 1e3, (published - decoded) * 1e3,
+             applied if request.wait else "(not waited for)", seconds * 1e3)
     return Pushed(version, applied, sorted(deferred), round(seconds, 6)).to_json()
 
 

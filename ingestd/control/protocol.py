@@ -164,7 +164,12 @@ def encode_header(request_id: str | int, cmd: str, args: dict[str, Any]) -> byte
 
 
 def encode_result(request_id: RequestId, result: Any) -> bytes:
-    return dumps({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": jsonable(result)})
+    reply = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result}
+    try:
+        return dumps(reply)
+    except ValueError:  # a NaN or infinity somewhere: strict JSON says null
+        reply["result"] = jsonable(result)
+        return dumps(reply)
 
 
 def encode_error(request_id: RequestId, code: ErrorCode, message: str) -> bytes:

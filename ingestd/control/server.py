@@ -26,7 +26,8 @@ import zmq
 from ingestd.collect.stats import State
 from ingestd.control import curve
 from ingestd.control.commands import COMMANDS
-from ingestd.control.handlers import HANDLERS, Context, Handler
+from ingestd.control.context import Context
+from ingestd.control.handlers import HANDLERS, Handler
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
 )

@@ -166,7 +166,8 @@ class ReplayReader(MappedStore):
         record_bytes = self._layout.record_bytes
         for _, shape, dtype, offset, strides in self._groups:
             # (n, leaves, *shape) through the gathered records -> contiguous (leaves, n, *shape)
-            rows = np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides))
+            rows = (np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides)) if n
+                    else np.empty((0, *shape), dtype))
             flat.extend(torch.from_numpy(rows.swapaxes(0, 1).copy()).unbind(0))
         flat.extend(columns)
         batch = torch.Size([n])

@@ -3,6 +3,7 @@ talks to systemd, and serves commands submitted by other threads."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import time
@@ -13,7 +14,7 @@ import torch
 
 from ingestd.collect.stats import Desired, State
 from ingestd.service.layout import Layout, build_layout
-from ingestd.service.notify import Notifier
+from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.supervisor import RestartPolicy, Supervisor
 from ingestd.service.telemetry import Telemetry
 
@@ -69,6 +70,7 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
         torch.set_num_threads(1)  # the daemon forks workers: keep OpenMP's pool unstarted here
+        unset_environment(os.environ)  # the Notifier has read them; workers must not inherit them
         self._install_signals()
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers

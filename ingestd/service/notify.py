@@ -4,7 +4,16 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Mapping
+from typing import Mapping, MutableMapping
+
+NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+def unset_environment(environ: MutableMapping[str, str]) -> None:
+    """Drop the sd_notify variables (as sd_notify's ``unset_environment``), so that processes
+    started afterwards (the workers) never talk to systemd in the daemon's name."""
+    for name in NOTIFY_VARIABLES:
+        environ.pop(name, None)
 
 
 class Notifier:

@@ -60,7 +60,7 @@ class CartPole(TorchEnv):
     @property
     def state(self) -> torch.Tensor:
         """A copy of the float64 state ``[num_envs, 4]`` (x, x_dot, theta, theta_dot)."""
-        return self._state.t().clone()
+        return self._state.t().clone(memory_format=torch.contiguous_format)
 
     @property
     def steps(self) -> torch.Tensor:
