@@ -327,10 +327,10 @@ def test_umask_makes_the_replay_readable_by_the_group_only():
     d.overrides["replay.path"] = str(d.runtime_dir / "replay")  # as in the example config
     old = os.umask(umask)
     try:
-        d.start()
+        d.start()  # the daemon inherits the umask, as from UMask=
     finally:
         os.umask(old)
-    with d:
+    try:
         d.wait_ready(rows=1)
         d.root.chmod(0o750)  # stands in for /run, which everyone may traverse
         replay = d.replay_path
@@ -349,3 +349,5 @@ def test_umask_makes_the_replay_readable_by_the_group_only():
             assert attach_as(nobody, nobody, [gid], replay) == 0, "a member of the group cannot attach"
             assert attach_as(nobody, nobody, [], replay) == 13, "someone outside the group can read the replay"
         assert d.stop() == 0
+    finally:
+        d.close()

@@ -138,6 +138,8 @@ class ReplayStorage(MappedStore):
             raise FileExistsError(f"{path} is a file; choose an empty or new directory")
         if (path / "meta.json").exists():
             raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open to reopen it")
+        if path.is_dir() and any(p.name not in files.CREATION_FILES for p in path.iterdir()):
+            raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:

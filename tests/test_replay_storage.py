@@ -1,0 +1,318 @@
+"""The replay storage in one process: round trips, sampling semantics, bad input and
+damaged directories (each with a clear error and the store unchanged), disk paths."""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import replay_payload as rp
+import torch
+from replay_payload import PayloadStorage
+from tensordict import TensorDict
+
+from ingestd.errors import (ClosedError, CorruptStorage, EmptyReplay, SampleTimeout, SchemaMismatch,
+                            StorageNotFound)
+from ingestd.replay import ReplayReader, ReplayStorage
+from ingestd.replay.layout import WRITE_INDEX
+
+WI = WRITE_INDEX
+
+
+def filled(path, kind="cartpole", capacity=64, rows=100) -> str:
+    with PayloadStorage.create(path, rp.spec(kind), capacity) as store:
+        store.write(rp.template(store.schema, rows - capacity // 2))
+        store.write(rp.template(store.schema, capacity // 2))
+    return str(path)
+
+
+def fingerprint(path) -> dict[str, str]:
+    """Hashes of every file of a storage directory (to show that nothing changed)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["cartpole", "pixels"])
+def test_round_trip(shm_dir, kind):
+    path = filled(shm_dir / "r", kind, capacity=64, rows=100)
+    with ReplayReader(path, seed=1) as reader:
+        assert (len(reader), reader.write_count, reader.capacity) == (64, 100, 64)
+        td = reader.sample(300)
+        assert td.batch_size == (300,)
+        assert set(td.keys(True, True)) == set(reader.schema)
+        for key, leaf in reader.schema.items():
+            value = td.get(key)
+            assert value.shape == (300, *leaf.shape) and value.dtype == leaf.dtype and value.is_contiguous()
+        assert not rp.bad_rows(td, reader.schema).any()
+        index = td.get(WI)
+        assert int(index.min()) >= 36 and int(index.max()) <= 99  # FIFO: only the newest 64 rows
+        exact = reader.gather(np.arange(64))
+        assert sorted(exact.get(WI).tolist()) == list(range(36, 100))
+        assert (exact.get(WI).numpy() % 64 == np.arange(64)).all()
+
+
+def test_sample_is_owned_by_the_caller(shm_dir):
+    path = filled(shm_dir / "r")
+    with ReplayReader(path, seed=2) as reader, PayloadStorage.open(path) as store:
+        first = reader.sample(32)
+        again = first.clone()
+        second = reader.sample(32)
+        first.apply_(lambda t: t.zero_() if t.dtype != torch.bool else t.fill_(False))  # no effect on the store
+        assert not rp.bad_rows(second, reader.schema).any()
+        store.write(rp.template(store.schema, 64))  # overwrite the whole ring
+        assert not rp.bad_rows(again, reader.schema).any()
+        assert (again.get(WI) < 100).all()
+        public = TensorDict(again.to_dict(), batch_size=[32])
+        assert again.batch_size == public.batch_size and again.device == public.device
+        assert set(again.keys(True)) == set(public.keys(True))
+        assert isinstance(again["next"], TensorDict) and again["next"].batch_size == (32,)
+
+
+def test_the_verifier_detects_damaged_rows(shm_dir):
+    path = filled(shm_dir / "r")
+    with ReplayStorage.open(path) as store:
+        store.leaves[("next", "reward")][5] += 1  # a changed field
+        store.leaves[("observation",)][9] = store.leaves[("observation",)][10]  # a field from another row
+        store.leaves[WI][20] += 64  # a row claiming to be another write index
+    with ReplayReader(path) as reader:
+        td = reader.gather(np.arange(64))
+        assert rp.bad_rows(td, reader.schema).nonzero().squeeze(1).tolist() == [5, 9, 20]
+        zeros = rp.template(reader.schema, 2)
+        zeros.set(WI, torch.tensor([0, 3]))
+        assert rp.bad_rows(zeros, reader.schema).all(), "never-written (zero) rows must fail"
+
+
+def test_uncommitted_slots_are_never_returned(shm_dir):
+    path = filled(shm_dir / "r")
+    with ReplayStorage.open(path) as store:
+        hidden = {3: 0, 4: 2 * 200 + 1, 5: 2 * 300 + 1}  # empty, and two being written
+        for slot, seq in hidden.items():
+            store.seq[slot] = seq
+    with ReplayReader(path, seed=3) as reader:
+        for _ in range(50):
+            slots = reader.sample(64).get(WI).numpy() % 64
+            assert not np.isin(slots, list(hidden)).any()
+        td = reader.gather([3, 4, 5, 6])  # stand-ins are drawn for the uncommitted ones
+        assert not np.isin(td.get(WI).numpy() % 64, list(hidden)).any()
+        assert td.get(WI)[3] == 70  # slot 6 is committed: its own row
+
+
+def test_empty_store_errors_and_waiting(shm_dir):
+    path = shm_dir / "r"
+    with PayloadStorage.create(path, rp.spec("cartpole"), 16) as store, ReplayReader(path) as reader:
+        with pytest.raises(EmptyReplay, match="no committed rows"):
+            reader.sample(4)
+        t0 = time.monotonic()
+        with pytest.raises(SampleTimeout):
+            reader.sample(4, timeout=0.2)
+        assert 0.2 <= time.monotonic() - t0 < 2
+        later = threading.Timer(0.3, lambda: store.write(rp.template(store.schema, 2)))
+        later.start()
+        try:
+            td = reader.sample(8, timeout=10)
+        finally:
+            later.join()
+        assert set(td.get(WI).tolist()) <= {0, 1}
+        with pytest.raises(ValueError):
+            reader.sample(0)
+        assert reader.gather([]).batch_size == (0,)
+        with pytest.raises(IndexError):
+            reader.gather([16])
+
+
+def test_only_dead_slots_then_empty(shm_dir):
+    path = filled(shm_dir / "r", capacity=16, rows=16)
+    with ReplayStorage.open(path) as store:
+        store.seq[:] = 2 * np.arange(16) + 1  # every slot left mid-write
+        with ReplayReader(path) as reader:
+            with pytest.raises(EmptyReplay):
+                reader.sample(4)
+            store.seq[7] = 2 * 7 + 2  # one committed row among dead ones: it is found
+            assert (reader.sample(32).get(WI) == 7).all()
+
+
+BAD_BATCHES = [
+    ("missing key", lambda s: rp.template(s, 4).exclude("action"), "missing"),
+    ("extra key", lambda s: rp.template(s, 4).set("bonus", torch.zeros(4)), "unexpected"),
+    ("wrong shape", lambda s: rp.template(s, 4).set("observation", torch.zeros(4, 5)), "shape"),
+    ("wrong dtype", lambda s: rp.template(s, 4).set("observation", torch.zeros(4, 4, dtype=torch.float64)),
+     "float64"),
+    ("too many rows", lambda s: rp.template(s, 65), "does not fit"),
+    ("two batch dims", lambda s: rp.template(s, 4).reshape(2, 2), "one batch dimension"),
+    ("not a TensorDict", lambda s: {"observation": torch.zeros(4, 4)}, "TensorDict"),
+]
+
+
+@pytest.mark.parametrize("case, make, message", BAD_BATCHES, ids=[c[0] for c in BAD_BATCHES])
+def test_bad_batches_are_refused_and_change_nothing(shm_dir, case, make, message):
+    path = filled(shm_dir / "r")
+    before = fingerprint(shm_dir / "r")
+    with PayloadStorage.open(path) as store:
+        with pytest.raises(SchemaMismatch, match=message):
+            store.write(make(store.schema))
+        store.write(rp.template(store.schema, 0))  # an empty batch is fine and writes nothing
+    assert fingerprint(shm_dir / "r") == before
+
+
+def test_a_failing_fill_leaves_no_slot_odd(shm_dir):
+    class Broken(PayloadStorage):
+        def _fill(self, index, batch):
+            self.leaves[WI][int(index[0]) % self.capacity] = -1
+            raise RuntimeError("disk on fire")
+
+    path = filled(shm_dir / "r")
+    with Broken(path) as store, pytest.raises(RuntimeError):
+        store.write(rp.template(store.schema, 3))
+    with PayloadStorage.open(path) as store:
+        assert store.write_count == 103 and list(store.seq[100 % 64:][:3]) == [0, 0, 0]
+        store.write(rp.template(store.schema, 3))  # the slots were unlocked too
+    with ReplayReader(path) as reader:
+        assert not rp.bad_rows(reader.sample(200), reader.schema).any()
+
+
+def test_threads_sharing_a_handle(shm_dir):
+    path = filled(shm_dir / "r", capacity=256, rows=256)
+    with PayloadStorage.open(path) as store:
+        threads = [threading.Thread(target=lambda: [store.write(rp.template(store.schema, 7)) for _ in range(40)])
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert store.write_count == 256 + 3 * 40 * 7
+    with ReplayReader(path) as reader:
+        assert not rp.bad_rows(reader.gather(np.arange(256)), reader.schema).any()
+
+
+def test_missing_paths(shm_dir):
+    for opener in (ReplayReader, ReplayStorage.open):
+        with pytest.raises(StorageNotFound, match="does not exist"):
+            opener(shm_dir / "nowhere")
+        with pytest.raises(StorageNotFound, match="meta.json is missing"):
+            opener(shm_dir)
+
+
+def _meta_edit(field, value):
+    def edit(meta):
+        meta[field] = value
+        return json.dumps(meta)
+    return edit
+
+
+CORRUPT_META = [
+    ("truncated", lambda meta: json.dumps(meta)[:40]),
+    ("not json", lambda meta: "\x00\x01garbage"),
+    ("a list", lambda meta: "[]"),
+    ("other format", _meta_edit("format", "zarr")),
+    ("future version", _meta_edit("version", 99)),
+    ("zero capacity", _meta_edit("capacity", 0)),
+    ("capacity not a number", _meta_edit("capacity", "many")),
+    ("unknown dtype", lambda meta: json.dumps(meta).replace('"float32"', '"float31"')),
+    ("negative shape", lambda meta: json.dumps(meta).replace('"shape": [4]', '"shape": [-4]')),
+    ("schema missing", lambda meta: json.dumps({k: v for k, v in meta.items() if k != "schema"})),
+    ("layout moved", lambda meta: json.dumps(meta).replace('"record_bytes": 128', '"record_bytes": 64')),
+    ("other capacity", _meta_edit("capacity", 65)),
+]
+
+
+@pytest.mark.parametrize("case, damage", CORRUPT_META, ids=[c[0] for c in CORRUPT_META])
+def test_corrupt_metadata_is_refused_and_left_alone(shm_dir, case, damage):
+    path = filled(shm_dir / "r")
+    meta_path = shm_dir / "r" / "meta.json"
+    meta_path.write_text(damage(json.loads(meta_path.read_text())))
+    before = fingerprint(shm_dir / "r")
+    for opener in (ReplayReader, ReplayStorage.open, lambda p: ReplayStorage.open_or_create(p, rp.spec("cartpole"), 64)):
+        with pytest.raises(CorruptStorage):
+            opener(path)
+    assert fingerprint(shm_dir / "r") == before
+
+
+@pytest.mark.parametrize("damage", ["no data", "short data", "no header", "bad magic", "no lock"])
+def test_damaged_files_are_refused(shm_dir, damage):
+    path = shm_dir / "r"
+    filled(path)
+    if damage == "no data":
+        (path / "data.bin").unlink()
+    elif damage == "short data":
+        with open(path / "data.bin", "r+b") as f:
+            f.truncate(4096)
+    elif damage == "no header":
+        (path / "header.bin").unlink()
+    elif damage == "bad magic":
+        with open(path / "header.bin", "r+b") as f:
+            f.write(b"\x00" * 8)
+    else:
+        (path / "lock").unlink()
+    with pytest.raises(CorruptStorage):
+        ReplayStorage.open(path)
+    if damage != "no lock":
+        with pytest.raises(CorruptStorage):
+            ReplayReader(path)
+
+
+@pytest.mark.parametrize("change", ["capacity", "shape", "dtype", "extra key", "missing key"])
+def test_reopen_with_another_schema_or_capacity(shm_dir, change):
+    path = filled(shm_dir / "r")
+    before = fingerprint(shm_dir / "r")
+    spec, capacity = rp.spec("cartpole"), 64
+    if change == "capacity":
+        capacity = 128
+    elif change == "shape":
+        spec[("observation",)] = ((5,), torch.float32)
+    elif change == "dtype":
+        spec[("action",)] = ((), torch.int32)
+    elif change == "extra key":
+        spec[("next", "info")] = ((2,), torch.float32)
+    else:
+        del spec[("truncated",)]
+    for opener in (ReplayStorage.open, ReplayStorage.open_or_create):
+        with pytest.raises(SchemaMismatch, match="capacity|schema"):
+            opener(path, spec, capacity)
+    assert fingerprint(shm_dir / "r") == before
+    with ReplayStorage.open(path, rp.spec("cartpole"), 64) as store:
+        assert store.write_count == 100
+
+
+def test_create_refuses_existing_or_foreign_directories(shm_dir):
+    path = filled(shm_dir / "r")
+    with pytest.raises(FileExistsError, match="already holds"):
+        ReplayStorage.create(path, rp.spec("cartpole"), 64)
+    (shm_dir / "other").mkdir()
+    (shm_dir / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        ReplayStorage.create(shm_dir / "other", rp.spec("cartpole"), 64)
+    assert (shm_dir / "other" / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="capacity"):
+        ReplayStorage.create(shm_dir / "new", rp.spec("cartpole"), 0)
+
+
+def test_disk_path_persists_across_close_and_reopen(disk_dir):
+    path = disk_dir / "replay"
+    with PayloadStorage.open_or_create(path, rp.spec("cartpole"), 64) as store:
+        assert store.next_incarnation() == 1
+        assert store.write(rp.template(store.schema, 100 - 32)) == 0
+        assert store.write(rp.template(store.schema, 32)) == 68
+    with PayloadStorage.open_or_create(path, rp.spec("cartpole"), 64) as store:
+        assert (store.write_count, len(store), store.next_incarnation()) == (100, 64, 2)
+    with ReplayReader(path) as reader:
+        td = reader.gather(np.arange(64))
+        assert sorted(td.get(WI).tolist()) == list(range(36, 100))
+        assert not rp.bad_rows(td, reader.schema).any()
+        assert not rp.bad_rows(reader.sample(500), reader.schema).any()
+
+
+def test_closed_handles_say_so(shm_dir):
+    path = filled(shm_dir / "r")
+    store, reader = PayloadStorage.open(path), ReplayReader(path)
+    td = reader.sample(8)
+    store.close()
+    reader.close()
+    store.close()  # twice is fine
+    for call in (lambda: store.write(rp.template(store.schema, 1)), lambda: store.write_count,
+                 lambda: reader.sample(1), lambda: len(reader), store.next_incarnation):
+        with pytest.raises(ClosedError, match="closed"):
+            call()
+    with ReplayReader(path) as again:
+        assert not rp.bad_rows(td, again.schema).any()  # a sample outlives the reader it came from
