@@ -248,8 +248,10 @@ def bench_queries(args) -> dict:
         d.close()
     result["status_at_1000_per_s"] = {"achieved_per_s": round(len(lat) / (args.window * args.rounds)),
                                       **summary(lat)}
-    result["ingest_rows_per_s"] = {"idle": round(statistics.fmean(base)), "under_status_load": round(
-        statistics.fmean(loaded)), "slowdown_pct": round(100 * (1 - statistics.fmean(loaded) / statistics.fmean(base)), 2)}
+    idle, busy = statistics.fmean(base), statistics.fmean(loaded)
+    result["ingest_rows_per_s"] = {"idle": round(idle), "under_status_load": round(busy),
+                                   "slowdown_pct": round(100 * (1 - busy / idle), 2),
+                                   "idle_windows": [round(r) for r in base], "loaded_windows": [round(r) for r in loaded]}
     return result
 
 
@@ -268,10 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.pauses, args.pushes, args.window, args.rounds = 5, 3, 1.0, 1
     torch.set_num_threads(1)
-    out = {"settings": {k: v for k, v in vars(args).items()}, "cpus": len(os.sched_getaffinity(0))}
+    out = {"settings": {k: v for k, v in vars(args).items()}, "cpus": len(os.sched_getaffinity(0)),
+           "loadavg_1m_before": round(os.getloadavg()[0], 2)}
     out["pause"] = bench_pause(args)
     out["push_weights"] = [bench_push(args, n - 1) for n in args.params]
     out.update(bench_queries(args))
+    out["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # > cpus: other processes shared the machine
     chunk = out["pause"]["chunk_ms"]
     push_1m = next((r for r in out["push_weights"] if r["params"] <= 2_000_000), None)
     out["targets"] = {

@@ -248,11 +248,13 @@ def test_req_socket_and_garbage_headers(daemon):
 
 
 def test_slow_commands_do_not_block_ping(daemon, client):
-    done = threading.Event()
+    done, took = threading.Event(), []
 
     def restart_all():
         with ControlClient(daemon.control_address, timeout=10) as c:
-            c.restart()
+            t0 = time.perf_counter()
+            c.restart()  # waits until both workers run again as new processes
+            took.append(time.perf_counter() - t0)
         done.set()
 
     thread = threading.Thread(target=restart_all)
@@ -265,7 +267,8 @@ def test_slow_commands_do_not_block_ping(daemon, client):
         latencies.append(time.perf_counter() - t0)
     thread.join()
     assert len(latencies) >= 5, "the restart finished too fast to test anything"
-    assert max(latencies) < 0.1, f"ping/status took {max(latencies) * 1000:.0f} ms during a restart"
+    assert max(latencies) < took[0] / 2, \
+        f"ping+status took up to {max(latencies) * 1e3:.0f} ms during a {took[0] * 1e3:.0f} ms restart"
 
 
 def test_scale_up_and_down(client):

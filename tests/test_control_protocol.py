@@ -146,3 +146,78 @@ def test_key_files(tmp_path):
         curve.load_secret(public)  # a public file holds no secret
     with pytest.raises(ValueError):
         curve.keygen(tmp_path, "../escape")
+
+
+def _fake_daemon(answer_from: int, requests: int):
+    """A ROUTER that ignores the first ``answer_from`` requests, then answers each with a stale
+    reply followed by the real one; returns (address, identities seen, thread)."""
+    import threading
+
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    seen = []
+
+    def serve():
+        try:
+            for i in range(requests):
+                if not server.poll(5000):
+                    return
+                identity, head = server.recv_multipart()
+                seen.append(identity)
+                if i >= answer_from:
+                    server.send_multipart([identity, encode_result("stale", {"pong": False})])
+                    server.send_multipart([identity, encode_result(json.loads(head)["id"], {"pong": True})])
+        finally:
+            server.close(0)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return f"tcp://127.0.0.1:{port}", seen, thread
+
+
+def test_lazy_pirate_resends_on_a_fresh_socket_and_drops_stale_replies():
+    from ingestd import ControlClient
+
+    address, seen, thread = _fake_daemon(answer_from=1, requests=2)
+    with ControlClient(address, timeout=1.0, retries=1) as client:
+        assert client.ping() == {"pong": True}
+    thread.join()
+    assert len(seen) == 2 and seen[0] != seen[1], "the retry must use a fresh socket"
+
+
+def test_non_idempotent_commands_are_not_resent():
+    from ingestd import ControlClient, DaemonUnavailable
+
+    address, seen, thread = _fake_daemon(answer_from=5, requests=1)
+    with ControlClient(address, timeout=0.5, retries=3, ack_timeout=0.1) as client:
+        with pytest.raises(DaemonUnavailable, match="1 attempt"):
+            client.restart([0])
+    thread.join()
+    assert len(seen) == 1
+
+
+def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path):
+    import socket
+
+    from ingestd.control.server import AddressInUse
+
+    ctx = zmq.Context.instance()
+    path = tmp_path / "c.sock"
+    first, second = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    try:
+        bind_private(first, f"ipc://{path}")
+        with pytest.raises(AddressInUse):
+            bind_private(second, f"ipc://{path}")
+    finally:
+        first.close(0)
+        second.close(0)
+    stale = tmp_path / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(stale))  # a socket file nobody listens on, as a killed daemon leaves behind
+    dead.close()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        bind_private(sock, f"ipc://{stale}")
+    finally:
+        sock.close(0)

@@ -12,7 +12,6 @@ systemd is not PID 1 here: the tools run offline, the unit is never started.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -234,6 +233,26 @@ def test_docs_cover_every_shipped_file():
         assert f"systemd/{path.name}" in doc, f"docs/systemd.md does not say how to install {path.name}"
 
 
+# -- a daemon started as the unit would start it ---------------------------------------------------
+@pytest.fixture(scope="module")
+def service():
+    """A daemon under the unit's UMask=, its replay in the runtime dir as in the example config,
+    with a fake NOTIFY_SOCKET, one worker from its config file, and a control socket."""
+    d = DaemonProc(notify=True, config_text="[workers]\ncount = 1\n")
+    d.overrides["replay.path"] = str(d.runtime_dir / "replay")
+    old = os.umask(int(one("UMask"), 8))
+    try:
+        d.start()  # the daemon inherits the umask, as from UMask=
+    finally:
+        os.umask(old)
+    try:
+        d.wait_notify("READY=1", timeout=60)
+        yield d
+        assert d.stop() == 0, d.log()
+    finally:
+        d.close()
+
+
 # -- ExecReload=, run as systemd would run it ------------------------------------------------------
 def drain(d: DaemonProc) -> list[str]:
     """sd_notify messages already queued (sent before now), without waiting for more."""
@@ -262,40 +281,38 @@ def reload_notifications(messages: list[str]) -> list[str]:
     return [m.split("\n", 1)[0] for m in messages if m.startswith(("RELOADING=1", "READY=1"))]
 
 
-def test_exec_reload_returns_once_the_reload_is_done():
-    with DaemonProc(notify=True, config_text="[workers]\ncount = 1\n") as d:
-        d.wait_notify("READY=1", timeout=60)
-        with ControlClient(d.control_address, timeout=10) as client:
-            assert client.status().count == 1
-            d.config_path.write_text("[workers]\ncount = 3\n")
+def test_exec_reload_returns_once_the_reload_is_done(service):
+    d = service
+    with ControlClient(d.control_address, timeout=10) as client:
+        assert client.status().count == 1
+        d.config_path.write_text("[workers]\ncount = 3\n")
 
-            # A command that only pokes the daemon (kill -HUP) would return while it is frozen.
-            os.kill(d.proc.pid, signal.SIGSTOP)
-            try:
-                drain(d)
-                command = exec_reload(d)
-                time.sleep(1.0)
-                assert command.poll() is None, "ExecReload returned before the daemon could reload"
-            finally:
-                os.kill(d.proc.pid, signal.SIGCONT)
-            out, err = command.communicate(timeout=60)
-            sent = drain(d)  # queued before the command returned
-            assert command.returncode == 0, err
-            assert reload_notifications(sent) == ["RELOADING=1", "READY=1"], sent
-            assert "workers.count" in out
-            status = client.status()
-            assert status.count == 3 and [w.index for w in status.workers] == [0, 1, 2]
-
-            # A reload that fails must fail the command (systemctl reload reports it) and
-            # still end the RELOADING state with READY=1; the running config stays.
-            d.config_path.write_text('[workers]\ncount = "three"\n')
+        # A command that only pokes the daemon (kill -HUP) would return while it is frozen.
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            drain(d)
             command = exec_reload(d)
-            out, err = command.communicate(timeout=60)
-            sent = drain(d)
-            assert command.returncode != 0 and "workers.count" in err, (out, err)
-            assert reload_notifications(sent) == ["RELOADING=1", "READY=1"], sent
-            assert client.status().count == 3
-        assert d.stop() == 0
+            time.sleep(1.0)
+            assert command.poll() is None, "ExecReload returned before the daemon could reload"
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        out, err = command.communicate(timeout=60)
+        sent = drain(d)  # queued before the command returned
+        assert command.returncode == 0, err
+        assert reload_notifications(sent) == ["RELOADING=1", "READY=1"], sent
+        assert "workers.count" in out
+        status = client.status()
+        assert status.count == 3 and [w.index for w in status.workers] == [0, 1, 2]
+
+        # A reload that fails must fail the command (systemctl reload reports it) and
+        # still end the RELOADING state with READY=1; the running config stays.
+        d.config_path.write_text('[workers]\ncount = "three"\n')
+        command = exec_reload(d)
+        out, err = command.communicate(timeout=60)
+        sent = drain(d)
+        assert command.returncode != 0 and "workers.count" in err, (out, err)
+        assert reload_notifications(sent) == ["RELOADING=1", "READY=1"], sent
+        assert client.status().count == 3
 
 
 # -- UMask= and the group ------------------------------------------------------------------------
@@ -319,35 +336,24 @@ def attach_as(uid: int, gid: int, groups: list[int], replay: Path) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def test_umask_makes_the_replay_readable_by_the_group_only():
+def test_umask_makes_the_replay_readable_by_the_group_only(service):
     from ingestd.replay import ReplayReader
 
-    umask = int(one("UMask"), 8)
-    d = DaemonProc(overrides={"workers.count": 1})
-    d.overrides["replay.path"] = str(d.runtime_dir / "replay")  # as in the example config
-    old = os.umask(umask)
-    try:
-        d.start()  # the daemon inherits the umask, as from UMask=
-    finally:
-        os.umask(old)
-    try:
-        d.wait_ready(rows=1)
-        d.root.chmod(0o750)  # stands in for /run, which everyone may traverse
-        replay = d.replay_path
-        for path in [d.runtime_dir, *d.runtime_dir.rglob("*")]:
-            mode = path.stat().st_mode & 0o777
-            assert mode & 0o007 == 0, f"{path} is open to others: {oct(mode)}"
-            if path.parent == replay or path == replay:
-                assert mode & 0o050 if path.is_dir() else mode & 0o040, f"{path} not group-readable: {oct(mode)}"
-        for sock in ("control.sock", "events.sock"):
-            assert (d.runtime_dir / sock).stat().st_mode & 0o777 == 0o660, "group members must connect"
-        if os.geteuid() == 0:
-            with ReplayReader(replay) as reader:  # import everything the child will use
-                reader.sample(4)
-            gid = replay.stat().st_gid
-            nobody = 65534
-            assert attach_as(nobody, nobody, [gid], replay) == 0, "a member of the group cannot attach"
-            assert attach_as(nobody, nobody, [], replay) == 13, "someone outside the group can read the replay"
-        assert d.stop() == 0
-    finally:
-        d.close()
+    d = service
+    d.wait_ready(rows=1)
+    d.root.chmod(0o750)  # stands in for /run, which everyone may traverse
+    replay = d.replay_path
+    for path in [d.runtime_dir, *d.runtime_dir.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o007 == 0, f"{path} is open to others: {oct(mode)}"
+        if path.parent == replay or path == replay:
+            assert mode & 0o050 if path.is_dir() else mode & 0o040, f"{path} not group-readable: {oct(mode)}"
+    for sock in ("control.sock", "events.sock"):
+        assert (d.runtime_dir / sock).stat().st_mode & 0o777 == 0o660, "group members must connect"
+    if os.geteuid() == 0:
+        with ReplayReader(replay) as reader:  # import everything the child will use
+            reader.sample(4)
+        gid = replay.stat().st_gid
+        nobody = 65534
+        assert attach_as(nobody, nobody, [gid], replay) == 0, "a member of the group cannot attach"
+        assert attach_as(nobody, nobody, [], replay) == 13, "someone outside the group can read the replay"

@@ -3,16 +3,48 @@
 A chunk is ``chunk_steps`` transitions of every sub-env, flattened to rows
 ``[chunk_steps * num_envs]`` in TorchRL layout with the ingestd stamps set
 (``write_index`` is filled by the storage).
+
+The hot path is built to add as little as possible to the env and policy:
+
+- the stamps live in per-field ``[chunk_steps, num_envs]`` int64 buffers made
+  once; every root gets its step's row as one prebuilt ``"ingestd"`` sub-td
+  (one ``set`` per step instead of five), ``worker`` and ``env`` are written
+  once, ``policy_version`` once per chunk, and ``episode``/``step`` are
+  advanced from the previous step's ``done`` with in-place ops;
+- the transitions' leaves are not stacked as TensorDicts: each leaf is
+  stacked straight into its own ``[chunk_steps, num_envs, ...]`` buffer,
+  reused across chunks (no allocation, no page faults for large
+  observations); the rows are views of these buffers;
+- the episode accounting (returns, lengths, finished episodes) is done once
+  per chunk on the ``[chunk_steps, num_envs]`` rewards and flags, with the
+  same float64 left-to-right sums as a step-by-step accumulation.
+
+The rows returned by :meth:`Rollout.chunk` share memory with those buffers:
+they are valid until the next ``chunk()`` call (the worker writes them to the
+storage, which copies them, before rolling the next chunk).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from ingestd.collect.interfaces import Env, Policy
 from ingestd.errors import EnvFault
+
+_STAMPS = ("worker", "env", "episode", "step", "policy_version")
+_STAMP_KEYS = frozenset(("ingestd", f) for f in _STAMPS)
+_DONE = ("next", "done")
+_REWARD = ("next", "reward")
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
+
+
+def _tensordict(source: dict, batch_size: torch.Size) -> TensorDict:
+    """A TensorDict over tensors of the right batch size (unchecked where tensordict allows)."""
+    if _NEW_UNSAFE is not None:
+        return _NEW_UNSAFE(source, batch_size=batch_size)
+    return TensorDict(source, batch_size=batch_size)
 
 
 @dataclass
@@ -27,47 +59,151 @@ class Rollout:
     """Steps one batched env with one policy and stamps every transition."""
 
     def __init__(self, env: Env, policy: Policy, worker: int, episode_base: int, chunk_steps: int):
-        n = env.num_envs
+        n, t = env.num_envs, chunk_steps
         self.env, self.policy, self.chunk_steps = env, policy, chunk_steps
-        self._worker = torch.full((n,), worker, dtype=torch.int64)
-        self._env_index = torch.arange(n, dtype=torch.int64)
+        self._n = n
+        # carried from chunk to chunk: the state of the step about to be taken
         self._episode = torch.full((n,), episode_base, dtype=torch.int64)
         self._step = torch.zeros(n, dtype=torch.int64)
         self._return = torch.zeros(n, dtype=torch.float64)
+        # the stamps of a whole chunk, one [T, B] int64 buffer per field
+        stamps = torch.empty((len(_STAMPS), t, n), dtype=torch.int64)
+        self._stamps = dict(zip(_STAMPS, stamps.unbind(0)))
+        self._stamps["worker"].fill_(worker)
+        self._stamps["env"].copy_(torch.arange(n, dtype=torch.int64).expand(t, n))
+        batch = torch.Size([n])
+        self._stamp_tds = [_tensordict({f: buf[i] for f, buf in self._stamps.items()}, batch) for i in range(t)]
+        self._step_rows, self._episode_rows = self._stamps["step"].unbind(0), self._stamps["episode"].unbind(0)
+        self._done = torch.empty((t, n), dtype=torch.bool)
+        self._done_rows = self._done.unbind(0)
+        self._returns = torch.empty((t, n), dtype=torch.float64)
+        self._return_rows = self._returns.unbind(0)
+        self._leaves: dict[tuple, torch.Tensor] = {}  # key -> [T, B, ...] buffer of every other leaf
+        self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
         self._root = env.reset()
 
     def chunk(self, policy_version: int) -> tuple[TensorDict, Finished]:
-        """Roll ``chunk_steps`` steps; returns the rows and the finished episodes."""
-        version = torch.full_like(self._worker, policy_version)
-        steps, finished = [], Finished()
-        for _ in range(self.chunk_steps):
-            root = self._root
-            root.set(("ingestd", "worker"), self._worker)
-            root.set(("ingestd", "env"), self._env_index)
-            root.set(("ingestd", "episode"), self._episode)
-            root.set(("ingestd", "step"), self._step)
-            root.set(("ingestd", "policy_version"), version)
-            root = self.policy(root)
-            transition, self._root = self.env.step_and_maybe_reset(root)
-            steps.append(transition)
-            self._account(transition, finished)
-        rows = torch.stack(steps, dim=0).reshape(-1)
+        """Roll ``chunk_steps`` steps; returns the rows and the finished episodes.
+
+        The rows are views of buffers the next ``chunk()`` overwrites."""
+        n, steps = self._n, self.chunk_steps
+        self._stamps["policy_version"].fill_(policy_version)
+        step_rows, episode_rows, done_rows = self._step_rows, self._episode_rows, self._done_rows
+        step_rows[0].copy_(self._step)
+        episode_rows[0].copy_(self._episode)
+        per_step: list[dict] = []
+        dones: list[torch.Tensor] = []
+        policy, env = self.policy, self.env
+        root = self._root
+        for t in range(steps):
+            if t:
+                prev_done = dones[-1]
+                torch.add(step_rows[t - 1], 1, out=step_rows[t]).masked_fill_(prev_done, 0)
+                torch.add(episode_rows[t - 1], prev_done, out=episode_rows[t])
+            self._stamp(root, t)
+            transition, root = env.step_and_maybe_reset(policy(root))
+            leaves = dict(transition.items(include_nested=True, leaves_only=True))
+            per_step.append(leaves)
+            dones.append(_done_of(leaves, n))
+        self._root = root
+        torch.stack(dones, out=self._done)
+        rows = self._assemble(per_step)
+        finished = self._account(rows)
         check_rows(rows)
         return rows, finished
 
-    def _account(self, transition: TensorDict, finished: Finished) -> None:
-        reward = transition.get(("next", "reward")).reshape(self.env.num_envs, -1).sum(-1)
-        done = transition.get(("next", "done")).reshape(self.env.num_envs, -1).any(-1)
-        self._return = self._return + reward.to(torch.float64)
-        step = self._step + 1
-        if done.any():
-            ended = done.nonzero().squeeze(-1)
-            finished.returns.extend(self._return[ended].tolist())
-            finished.lengths.extend(step[ended].tolist())
-            self._return = torch.where(done, torch.zeros_like(self._return), self._return)
-            self._episode = self._episode + done.to(torch.int64)
-            step = torch.where(done, torch.zeros_like(step), step)
-        self._step = step
+    # -- stamping ---------------------------------------------------------------------------
+    def _stamp(self, root: TensorDictBase, t: int) -> None:
+        if "ingestd" not in root.keys():
+            root.set("ingestd", self._stamp_tds[t])
+            return
+        for name, buf in self._stamps.items():  # the env put its own keys under "ingestd": keep them
+            root.set(("ingestd", name), buf[t])
+
+    # -- rows --------------------------------------------------------------------------------
+    def _assemble(self, per_step: list[dict]) -> TensorDictBase:
+        """Stack every leaf into its [T, B, ...] buffer; the rows are [T * B] views of them."""
+        first = per_step[0]
+        if self._rows is None or not self._buffers_fit(first):
+            self._allocate(first)
+        for key, buf in self._leaves.items():
+            try:
+                torch.stack([leaves[key] for leaves in per_step], out=buf)
+            except KeyError:
+                raise RuntimeError(f"the env's transitions do not all have the key {key}; every step "
+                                   "must produce the same keys") from None
+        if any(len(leaves) != len(first) for leaves in per_step):
+            raise RuntimeError("the env's transitions do not all have the same keys; every step must "
+                               "produce the same keys")
+        return self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
+
+    def _buffers_fit(self, first: dict) -> bool:
+        if len(first) != len(self._leaves) + len(_STAMP_KEYS):
+            return False
+        for key, buf in self._leaves.items():
+            leaf = first.get(key)
+            if leaf is None or leaf.shape != buf.shape[1:] or leaf.dtype != buf.dtype or leaf.device != buf.device:
+                return False
+        return True
+
+    def _allocate(self, first: dict) -> None:
+        steps, n = self.chunk_steps, self._n
+        total = steps * n
+        self._leaves = {}
+        rows = TensorDict({}, batch_size=[total])
+        for key, leaf in first.items():  # the first transition's key order, like a stack of them
+            key = key if isinstance(key, tuple) else (key,)
+            if key in _STAMP_KEYS:
+                rows.set(key, self._stamps[key[1]].view(total))
+                continue
+            buf = torch.empty((steps, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
+            self._leaves[key if len(key) > 1 else key[0]] = buf
+            rows.set(key, buf.view(total, *leaf.shape[1:]))
+        missing = _STAMP_KEYS - {k if isinstance(k, tuple) else (k,) for k in first}
+        if missing:
+            raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
+                               "root's ('ingestd', ...) entries")
+        self._rows = rows
+
+    # -- episode accounting --------------------------------------------------------------------
+    def _account(self, rows: TensorDictBase) -> Finished:
+        """Returns and lengths of the episodes that ended, and the state carried to the next chunk.
+
+        Each return is the float64 sum of the episode's rewards added in step order, from
+        0 (or from the return carried in from the previous chunk), exactly as a per-step
+        ``ret = ret + reward`` would give."""
+        steps, n = self.chunk_steps, self._n
+        done, step = self._done, self._stamps["step"]
+        reward = self._leaves.get(_REWARD)
+        if reward is None:  # check_rows refuses it with the message
+            reward = torch.zeros((steps, n))
+        reward = reward.reshape(steps, n, -1).sum(-1).to(torch.float64)
+        keep = (~done).to(torch.float64)
+        ret_rows, reward_rows, keep_rows = self._return_rows, reward.unbind(0), keep.unbind(0)
+        torch.add(self._return, reward_rows[0], out=ret_rows[0])
+        for t in range(1, steps):  # ret[t] = ret[t-1] * (not done[t-1]) + reward[t]: exact (x*1, x*0)
+            torch.addcmul(reward_rows[t], ret_rows[t - 1], keep_rows[t - 1], out=ret_rows[t])
+        finished = Finished()
+        last_done = done[-1]
+        if bool(done.any()):
+            finished.returns = self._returns[done].tolist()
+            finished.lengths = (step[done] + 1).tolist()
+            self._return = ret_rows[-1].masked_fill(last_done, 0.0)
+        else:
+            self._return = ret_rows[-1].clone()
+        self._step = (step[-1] + 1).masked_fill_(last_done, 0)
+        self._episode = self._stamps["episode"][-1] + last_done
+        return finished
+
+
+def _done_of(leaves: dict, n: int) -> torch.Tensor:
+    """``done [B]`` of one transition: any of the ``("next", "done")`` entries of a sub-env."""
+    done = leaves.get(_DONE)
+    if done is None:
+        raise EnvFault("the env's transitions have no ('next', 'done') entry")
+    if done.dtype == torch.bool and done.numel() == n:
+        return done.view(n)
+    return done.reshape(n, -1).any(-1)
 
 
 def check_rows(rows: TensorDict) -> None:

@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ingestctl", description="Control a running ingestd daemon.")
     p.add_argument("--connect", metavar="ADDR", help="control address (default: $INGESTD_CONTROL, else the "
                                                      "ipc socket in the daemon's runtime dir)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for a reply (5)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to wait for a reply (5), on top of any --wait for workers")
     p.add_argument("--json", action="store_true", help="print stable JSON instead of text")
     p.add_argument("--server-key", metavar="FILE", help="CURVE: the daemon's public key file (tcp:// only)")
     p.add_argument("--client-key", metavar="FILE", help="CURVE: this client's .key_secret file (tcp:// only)")

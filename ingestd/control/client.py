@@ -8,6 +8,10 @@ socket. Replies are matched by request id, so a late reply to an abandoned
 request is dropped. Nothing is ever pickled: weights travel in
 ``ingestd.weights``'s manifest + lz4 format.
 
+``timeout`` bounds the whole call: a command that waits for workers (pause,
+resume, restart, scale, push_weights) may take ``timeout`` plus the wait it
+asks the daemon for (``timeout_s``, default ``ack_timeout``).
+
 A client is not meant to be shared between threads; calls are serialised by
 a lock if it is.
 """
@@ -129,17 +133,23 @@ class ControlClient:
         return self.request(request, extra_wait).unwrap()
 
     def request(self, request: Request, extra_wait: float = 0.0) -> Reply:
+        """One request, lazy-pirate style: everything happens within ``timeout`` plus the time the
+        command may wait for workers; idempotent commands are re-sent on a fresh socket within it."""
         args, payload = request.encode()
-        budget = self.timeout + (request.wait_s or 0.0) + extra_wait
+        waits = (request.wait_s or 0.0) + extra_wait
+        budget = self.timeout + waits
         attempts = 1 + (self.retries if request.idempotent else 0)
+        deadline = time.monotonic() + budget
+        sent = 0
         with self._lock:
             request_id = self._prefix + str(next(self._ids))
             frames = [encode_header(request_id, request.cmd, args), *payload]
-            for attempt in range(attempts):
-                reply = self._attempt(frames, request_id, budget)
+            while sent < attempts and (remaining := deadline - time.monotonic()) > 0.001:
+                sent += 1
+                reply = self._attempt(frames, request_id, min(remaining, self.timeout / attempts + waits))
                 if reply is not None:
                     return reply
-        raise DaemonUnavailable(self._silence(request.cmd, budget, attempts))
+        raise DaemonUnavailable(self._silence(request.cmd, budget, sent))
 
     def _attempt(self, frames: list, request_id: str, budget: float) -> Reply | None:
         sock = self._connected()

@@ -67,7 +67,6 @@ class Context:
     daemon: Any  # ingestd.service.daemon.Daemon
     events_address: str
     publish: Callable[..., None]  # publish(kind, **fields): thread-safe, best-effort
-    on_reload: Callable[[], None] = lambda: None  # e.g. re-read the authorised CURVE keys
     rates: FrameRates = field(default_factory=FrameRates)
     stopping: threading.Event = field(default_factory=threading.Event)
     change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload

@@ -106,23 +106,31 @@ def _set_desired(ctx: Context, desired: Desired, deadline: float) -> dict[int, i
     return ctx.on_main(authoritative, deadline)
 
 
-def _change_desired(ctx: Context, request: Request, desired: Desired) -> dict:
+def _locked_change(ctx: Context, request: Request, change: Callable[[float], Any], what: str) -> tuple[Any, float]:
+    """Run ``change(deadline)`` holding the lock that serialises pause/resume/restart/scale/reload."""
     started = time.monotonic()
     deadline = ctx.deadline(request)
-    target, event, verb = _DESIRED_STATE[desired]
     if not ctx.change_lock.acquire(timeout=max(0.0, deadline - started)):
-        raise RequestError(ErrorCode.TIMEOUT, "another pause/resume/restart/scale/reload kept the daemon busy")
+        raise RequestError(ErrorCode.TIMEOUT, f"another command kept the daemon busy; {what} was not started")
     try:
-        pending = _set_desired(ctx, desired, deadline)
-
-        def verdict(index: int, pid: int, rec) -> bool | None:
-            if int(rec["pid"]) != pid or int(rec["state"]) in (State.FAILED, State.STOPPED, State.STOPPING):
-                return False
-            return True if int(rec["state"]) == target else None
-
-        acked, _ = ctx.wait(pending, verdict, deadline, f"acknowledge {verb}")
+        return change(deadline), started
     finally:
         ctx.change_lock.release()
+
+
+def _change_desired(ctx: Context, request: Request, desired: Desired) -> dict:
+    target, event, verb = _DESIRED_STATE[desired]
+
+    def verdict(index: int, pid: int, rec) -> bool | None:
+        if int(rec["pid"]) != pid or int(rec["state"]) in (State.FAILED, State.STOPPED, State.STOPPING):
+            return False
+        return True if int(rec["state"]) == target else None
+
+    def change(deadline: float) -> list[int]:
+        pending = _set_desired(ctx, desired, deadline)
+        return ctx.wait(pending, verdict, deadline, f"acknowledge {verb}")[0]
+
+    acked, started = _locked_change(ctx, request, change, f"the {verb}")
     seconds = time.monotonic() - started
     ctx.publish(event, workers=acked, seconds=round(seconds, 6))
     return Acked(acked, round(seconds, 6)).to_json()
@@ -137,28 +145,19 @@ def resume(ctx: Context, request: Resume) -> dict:
 
 
 def _started_again(index: int, old_pid: int, rec) -> bool | None:
-    """Verdict for a worker that must come (back) up as a new process."""
-    state = int(rec["state"])
-    if state == State.FAILED:
-        return False
-    pid = int(rec["pid"])
-    return True if pid not in (0, old_pid) and state in (State.RUNNING, State.PAUSED) else None
+    """Verdict for a worker that must come (back) up as a new process. ``failed`` counts only
+    for a new process: a failed worker being restarted still shows its old failure at first."""
+    state, pid = int(rec["state"]), int(rec["pid"])
+    if pid in (0, old_pid):
+        return None
+    if state in (State.RUNNING, State.PAUSED):
+        return True
+    return False if state == State.FAILED else None
 
 
 def _gone(index: int, pid: int, rec) -> bool | None:
     """Verdict for a retired worker: done once the supervisor has reaped it and freed its slot."""
     return True if int(rec["state"]) == State.EMPTY else None
-
-
-def _locked_change(ctx: Context, request: Request, change: Callable[[], Any], what: str) -> tuple[Any, float]:
-    started = time.monotonic()
-    deadline = ctx.deadline(request)
-    if not ctx.change_lock.acquire(timeout=max(0.0, deadline - started)):
-        raise RequestError(ErrorCode.TIMEOUT, f"another command kept the daemon busy; {what} was not started")
-    try:
-        return change(deadline), started
-    finally:
-        ctx.change_lock.release()
 
 
 def restart(ctx: Context, request: Restart) -> dict:
@@ -261,7 +260,6 @@ def reload(ctx: Context, request: Reload) -> dict:
             raise RequestError(ErrorCode.RELOAD_FAILED, f"{exc}; the running config was kept") from None
 
     result, _ = _locked_change(ctx, request, change, "the reload")
-    ctx.on_reload()
     return Reloaded(list(result["applied"]), list(result["not_applied"])).to_json()
 
 

@@ -143,7 +143,7 @@ def parse_header(data: bytes) -> Header:
     if unknown:
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown header field(s) {unknown[:5]}")
     version = obj.get("v")
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise RequestError(ErrorCode.UNSUPPORTED_VERSION,
                            f"protocol version {version!r} is not supported; this daemon speaks v={PROTOCOL_VERSION}")
     request_id = _valid_id(obj.get("id"))

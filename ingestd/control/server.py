@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,18 +46,41 @@ INVALID = "invalid"  # telemetry label for requests whose command is not known (
 
 
 def bind_private(sock: zmq.Socket, address: str) -> None:
-    """Bind; an ipc:// socket file gets mode 0660 or stricter (umask around bind, then chmod)."""
+    """Bind; an ipc:// socket file gets mode 0660 or stricter (umask around bind, then chmod).
+
+    libzmq silently replaces an existing ipc socket file, which would steal a running
+    daemon's socket: a live one is refused (``AddressInUse``), a stale one is replaced."""
     path = address[len("ipc://"):] if address.startswith("ipc://") and not address.startswith("ipc://@") else None
     if path is None:
         sock.bind(address)
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if _listening(path):
+        raise AddressInUse(f"{address} is in use: another daemon is listening on it")
     old = os.umask(0o117)
     try:
         sock.bind(address)
     finally:
         os.umask(old)
     os.chmod(path, os.stat(path).st_mode & 0o660)
+
+
+class AddressInUse(OSError):
+    """A control or event address is already taken by a live process."""
+
+
+def _listening(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:  # ECONNREFUSED: a stale file from a daemon that died
+        return False
+    finally:
+        probe.close()
 
 
 class ControlServer:
@@ -90,9 +114,9 @@ class ControlServer:
             self._close_all()
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.ctx = Context(daemon, paths.events, publish=self.publish, on_reload=self._reload_keys)
+        self.ctx = Context(daemon, paths.events, publish=self.publish)
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
-        daemon.subscribe(self.publish)
+        daemon.subscribe(self._on_daemon_event)
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
         self._thread.start()
         log.info("control: %s, events: %s%s", paths.control, paths.events, " (CURVE)" if keys else "")
@@ -119,14 +143,25 @@ class ControlServer:
             sock.setsockopt(option, value)
         if keys is not None:
             curve.make_server(sock, *keys)
-        bind_private(sock, address)
+        try:
+            bind_private(sock, address)
+        except (zmq.ZMQError, OSError) as exc:
+            sock.close(0)
+            key = "control.address" if kind == zmq.ROUTER else "control.events_address"
+            raise ConfigError(key, f"cannot bind {address}: {exc}") from None
         if address.startswith("ipc://") and not address.startswith("ipc://@"):
             self._files.append(address[len("ipc://"):])
         return sock
 
-    def _reload_keys(self) -> None:
-        if self._auth is not None:
-            self._auth.reload()
+    def _on_daemon_event(self, kind: str, **fields: Any) -> None:
+        """Daemon events (main thread): re-read the CURVE keys on every reload (command or SIGHUP),
+        then publish the event."""
+        if kind == "config.reloaded" and self._auth is not None:
+            try:
+                self._auth.reload()
+            except OSError as exc:
+                log.error("CURVE: cannot re-read the authorised keys, keeping the old set: %s", exc)
+        self.publish(kind, **fields)
 
     def stop(self) -> None:
         if self._thread is None:

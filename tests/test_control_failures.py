@@ -1,0 +1,48 @@
+"""Commands that wait for workers do not wait for dead or failed ones."""
+from __future__ import annotations
+
+import pytest
+
+import control_plugins
+from control_daemon import PLUGIN_ENV, SETTINGS, wait_for
+from daemon_proc import DaemonProc
+from ingestd import ControlClient
+
+
+@pytest.fixture(scope="module")
+def client():
+    overrides = {**SETTINGS, "workers.env": "faulty_envs:raising",
+                 "workers.env_kwargs": {"only_worker": 1, "after_steps": 0},
+                 "workers.restart_budget": 2, "workers.restart_backoff_s": 0.05, "workers.restart_backoff_max_s": 0.1}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        with ControlClient(d.control_address, timeout=2.0) as c:
+            wait_for(lambda: d.proc.poll() is None and _states(c) == ["running", "failed"], 60,
+                     "worker 1 to crash-loop into 'failed' while worker 0 runs", interval=0.1)
+            yield c
+
+
+def _states(c: ControlClient) -> list[str]:
+    try:
+        return [w.state for w in c.status().workers]
+    except Exception:
+        return []
+
+
+def test_failed_worker_drops_out_of_every_wait(client):
+    status = client.status()
+    assert "simulated env failure" in status.workers[1].error
+    assert client.pause(timeout_s=5).workers == [0]
+    assert client.resume(timeout_s=5).workers == [0]
+    pushed = client.push_weights_detailed(control_plugins.weights(1.0), timeout_s=5)
+    assert pushed.applied == [0]
+    assert client.status().workers[0].weights_version == pushed.version
+
+
+def test_a_failed_worker_can_be_restarted(client):
+    before = client.status().workers[1]
+    assert client.restart([1], timeout_s=10).workers == [1]  # a new process got as far as running
+    wait_for(lambda: _states(client) == ["running", "failed"], 10, "worker 1 to fail again")
+    after = client.status().workers[1]
+    assert after.pid != before.pid and after.restarts > before.restarts
+    assert client.pause(timeout_s=5).workers == [0]
+    assert client.resume(timeout_s=5).workers == [0]
