@@ -299,7 +299,7 @@ class ControlServer:
     def _reply(self, route: list, cmd: str, reply: bytes, outcome: str) -> None:
         self.ctx.daemon.telemetry.observe_request(cmd, outcome)
         try:
-            self._router.send_multipart([*route, reply], zmq.NOBLOCK, copy=False)
+            self._router.send_multipart([*route, reply], zmq.NOBLOCK)
         except zmq.ZMQError:  # peer gone or its queue full: replies are not retried; the client retries
             pass
 
