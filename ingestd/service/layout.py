@@ -67,13 +67,32 @@ def build_layout(config, paths) -> Layout:
 
         state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         manifest = manifest_of(state)
+        version, state = _previous_weights(paths.weights, manifest, state)
         weights = WeightStore.create(paths.weights, manifest)
-        weights.publish(state)  # version 1: the initial weights every worker starts from
+        weights.publish(state, version=version)
     else:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
              storage.write_count)
     return Layout(config, paths, storage, stats, weights, manifest, policy)
+
+
+def _previous_weights(path, manifest, initial: dict) -> tuple[int, dict]:
+    """The weights to start from: the last published ones if a store of the same shape
+    survived (a daemon restart keeps versions monotonic), else ``initial`` as version 1."""
+    from ingestd.weights.store import WeightStore
+
+    if not Path(path).exists():
+        return 1, initial
+    try:
+        with WeightStore.attach(path) as old:
+            if old.manifest == manifest and old.version > 0:
+                version, state = old.read()
+                log.info("resuming from weights version %d left by the previous daemon", version)
+                return version, state
+    except Exception as exc:  # unreadable or different: start over, but say so
+        log.warning("ignoring the previous weight store at %s: %s", path, exc)
+    return 1, initial
 
 
 def _example_rows(spec: WorkerSpec, seed: int):
