@@ -6,6 +6,7 @@ found it: two running workers (``restore``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -57,6 +58,23 @@ def wait_collecting(daemon: DaemonProc, rows: int = 64, timeout: float = 60.0) -
                 pass
             time.sleep(0.05)
     raise TimeoutError(f"daemon wrote fewer than {rows} rows in {timeout} s; log:\n{daemon.log()}")
+
+
+@contextlib.contextmanager
+def shared_paused():
+    """While another module runs its own daemon: pause the shared one (if any) so that its
+    workers do not take the CPU from the other daemon's."""
+    from ingestd import ControlClient
+
+    if _daemon is None or _daemon.proc.poll() is not None:
+        yield
+        return
+    with ControlClient(_daemon.control_address, timeout=5.0) as client:
+        client.pause()
+        try:
+            yield
+        finally:
+            client.resume()
 
 
 def restore(client) -> None:

@@ -95,11 +95,13 @@ class PayloadStorage(ReplayStorage):
 
 class StallingStorage(PayloadStorage):
     """Copies only some of the leaves of its rows (write index first, so the slots hold torn
-    rows), reports its range and then waits for ``release`` (forever if it is never set)."""
+    rows), puts ``(start, n)`` into ``where``, sets ``stalled`` and then waits for ``release``
+    (forever when it is None: the test kills it). It shares no lock with the other processes
+    while it stalls, so killing it cannot leave one held."""
 
-    def __init__(self, path, stalled, release, report):
+    def __init__(self, path, stalled, release, where):
         super().__init__(path)
-        self._stalled, self._resume, self._report = stalled, release, report
+        self._stalled, self._resume, self._where = stalled, release, where
 
     def _fill(self, index: np.ndarray, batch: TensorDict) -> None:
         full = rows(self.schema, index)
@@ -107,10 +109,12 @@ class StallingStorage(PayloadStorage):
         for key in keys[: len(keys) // 2]:
             for dst, part in self._segments(int(index[0]), index.size):
                 self.leaves[key][dst].copy_(full.get(key)[part])
-        self._report.put((int(index[0]), int(index.size)))
+        self._where[0], self._where[1] = int(index[0]), int(index.size)
         self._stalled.set()
-        while not self._resume.wait(0.05):
-            pass
+        if self._resume is None:
+            while True:
+                time.sleep(1)
+        self._resume.wait()
         super()._fill(index, batch)
 
 
@@ -121,13 +125,13 @@ def _child_setup() -> None:
 
 
 def writer_main(path: str, seed: int, max_batch: int, stop, report) -> None:
-    """Write batches of random sizes until ``stop`` is set; report ``(rows, batches)``."""
+    """Write batches of random sizes until ``stop.value``; report ``(rows, batches)``."""
     _child_setup()
     rng = np.random.default_rng(seed)
     written = batches = 0
     with PayloadStorage.open(path) as store:
         templates = {n: template(store.schema, n) for n in range(1, max_batch + 1)}
-        while not stop.is_set():
+        while not stop.value:
             n = int(rng.integers(1, max_batch + 1))
             store.write(templates[n])
             written, batches = written + n, batches + 1
@@ -135,13 +139,13 @@ def writer_main(path: str, seed: int, max_batch: int, stop, report) -> None:
 
 
 def reader_main(path: str, seed: int, batch: int, stop, report) -> None:
-    """Sample and verify until ``stop`` is set; report samples, bad rows and write indices seen."""
+    """Sample and verify until ``stop.value``; report samples, bad rows and write indices seen."""
     _child_setup()
     samples = bad = 0
     seen = []
     with ReplayReader(path, seed=seed) as reader:
         schema = reader.schema
-        while not stop.is_set():
+        while not stop.value:
             td = reader.sample(batch, timeout=5.0)
             bad += int(bad_rows(td, schema).sum())
             seen.append(td.get(WRITE_INDEX).numpy())
@@ -149,10 +153,10 @@ def reader_main(path: str, seed: int, batch: int, stop, report) -> None:
     report.put(("reader", samples, bad, np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)))
 
 
-def stalling_writer_main(path: str, n: int, stalled, release, report) -> None:
+def stalling_writer_main(path: str, n: int, stalled, release, where, report) -> None:
     """Reserve ``n`` rows, fill them halfway, stall until ``release`` (or SIGKILL)."""
     _child_setup()
-    with StallingStorage(path, stalled, release, report) as store:
+    with StallingStorage(path, stalled, release, where) as store:
         store.write(template(store.schema, n))
     report.put(("stalling writer done",))
 

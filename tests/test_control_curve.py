@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from control_daemon import PLUGIN_ENV, SETTINGS, wait_for
+from control_daemon import PLUGIN_ENV, SETTINGS, shared_paused, wait_for
 from daemon_proc import DaemonProc, free_port
 from ingestd import ControlClient, DaemonUnavailable
 from ingestd.control import cli
@@ -31,7 +31,7 @@ def daemon(keys):
     overrides = {**SETTINGS, "control.address": f"tcp://127.0.0.1:{control}",
                  "control.events_address": f"tcp://127.0.0.1:{events}",
                  "control.curve_secret_key": str(made["server"][1]), "control.curve_authorized_keys": str(authorized)}
-    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+    with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         with ControlClient(d.control_address, timeout=1.0, curve_keys=_keys(made, "trainer")) as c:
             wait_for(lambda: _alive(d, c), 60, "the daemon to answer over CURVE", interval=0.1)
         yield d

@@ -1,24 +1,29 @@
-"""Commands that wait for workers do not wait for dead or failed ones."""
+"""Commands that wait for workers do not wait for dead or failed ones; a clean stop."""
 from __future__ import annotations
 
 import pytest
 
 import control_plugins
-from control_daemon import PLUGIN_ENV, SETTINGS, wait_for
+from control_daemon import PLUGIN_ENV, SETTINGS, shared_paused, wait_for
 from daemon_proc import DaemonProc
 from ingestd import ControlClient
 
 
 @pytest.fixture(scope="module")
-def client():
+def daemon_and_client():
     overrides = {**SETTINGS, "workers.env": "faulty_envs:raising",
                  "workers.env_kwargs": {"only_worker": 1, "after_steps": 0},
                  "workers.restart_budget": 2, "workers.restart_backoff_s": 0.05, "workers.restart_backoff_max_s": 0.1}
-    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+    with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         with ControlClient(d.control_address, timeout=2.0) as c:
             wait_for(lambda: d.proc.poll() is None and _states(c) == ["running", "failed"], 60,
                      "worker 1 to crash-loop into 'failed' while worker 0 runs", interval=0.1)
-            yield c
+            yield d, c
+
+
+@pytest.fixture
+def client(daemon_and_client):
+    return daemon_and_client[1]
 
 
 def _states(c: ControlClient) -> list[str]:
@@ -46,3 +51,11 @@ def test_a_failed_worker_can_be_restarted(client):
     assert after.pid != before.pid and after.restarts > before.restarts
     assert client.pause(timeout_s=5).workers == [0]
     assert client.resume(timeout_s=5).workers == [0]
+
+
+def test_sigterm_stops_cleanly_and_removes_the_sockets(daemon_and_client):
+    import signal
+
+    d, c = daemon_and_client
+    assert d.stop(signal.SIGTERM, timeout=20) == 0
+    assert not [p for p in d.runtime_dir.iterdir() if p.suffix == ".sock"]

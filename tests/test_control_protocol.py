@@ -221,3 +221,45 @@ def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path)
         bind_private(sock, f"ipc://{stale}")
     finally:
         sock.close(0)
+
+
+@pytest.mark.parametrize("result", [
+    {"a": 1, "config": "PRE"}, {"config": "PRE"}, "PRE", {"a": float("nan"), "b": "PRE", "c": [1]},
+])
+def test_preencoded_values_are_spliced_into_valid_json(result):
+    from ingestd.control.protocol import Preencoded
+
+    value = {"x": [1, 2], "y": {"z": None}}
+    pre = Preencoded(value)
+
+    def sub(v):
+        return pre if v == "PRE" else v
+
+    encoded = encode_result(3, {k: sub(v) for k, v in result.items()} if isinstance(result, dict) else sub(result))
+    decoded = decode_reply([encoded])
+    expected = {k: (value if v == "PRE" else None if v != v else v) for k, v in result.items()} \
+        if isinstance(result, dict) else value
+    assert decoded.ok and decoded.id == 3 and decoded.result == expected
+
+
+def test_record_reader_matches_the_stats_block(tmp_path):
+    from ingestd.collect.stats import StatsBlock
+    from ingestd.control.context import RecordReader
+
+    stats = StatsBlock(tmp_path / "stats", create=True)
+    try:
+        for i, rec in enumerate(stats.records[:5]):
+            for k, name in enumerate(RecordReader.SCALARS):
+                rec[name] = 1000 * i + k + (0.5 if name == "heartbeat" else 0)
+            rec["returns_count"] = 40 + i
+            rec["returns"][(39 + i) % len(rec["returns"])] = -7.25 + i
+        stats.set_error(3, "boom ü")
+        reader = RecordReader(stats.records)
+        for i in range(5):
+            values, last, error = reader.read(i)
+            assert values == {name: stats[i][name].item() for name in RecordReader.SCALARS}
+            assert last == stats.recent_returns(i, 1)[0][0] == -7.25 + i
+            assert error == stats.error(i)
+        assert reader.read(3)[2] == "boom ü" and reader.read(5) == (reader.read(5)[0], None, "")
+    finally:
+        stats.close()

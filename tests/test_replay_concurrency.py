@@ -33,11 +33,17 @@ def ctx():
 
 
 class Children:
-    """Starts child processes; on exit stops them: ``stop`` event, join, then SIGKILL by pid."""
+    """Starts child processes; on exit stops them: ``stop`` flag, join, then SIGKILL by pid.
+
+    The flag is a lock-free shared byte: a child killed while polling it cannot leave a
+    lock held (a killed child must never touch ``report``, whose lock it could hold)."""
 
     def __init__(self, ctx):
         self.ctx, self.procs = ctx, []
-        self.stop, self.report = ctx.Event(), ctx.Queue()
+        self.stop, self.report = ctx.Value("b", 0, lock=False), ctx.Queue()
+
+    def halt(self) -> None:
+        self.stop.value = 1
 
     def start(self, target, *args, with_stop: bool = True):
         args = (*args, self.stop, self.report) if with_stop else (*args, self.report)
@@ -56,7 +62,7 @@ class Children:
         return got
 
     def finish(self, timeout: float = 20.0) -> None:
-        self.stop.set()
+        self.halt()
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -116,7 +122,7 @@ def test_writers_and_readers_run_together(ctx, shm_dir):
         with ReplayReader(path) as reader:
             wait_until(lambda: reader.write_count > 8 * reader.capacity, 15, "writers to wrap the ring 8 times")
         time.sleep(RUN_S / 2)
-        kids.stop.set()
+        kids.halt()
         got = kids.reports(5)
     writers = [r for r in got if r[0] == "writer"]
     readers = [r for r in got if r[0] == "reader"]
@@ -140,10 +146,10 @@ def test_writer_killed_mid_write(ctx, shm_dir):
         for i in range(2):
             kids.start(rp.writer_main, path, i, 16)
         kids.start(rp.reader_main, path, 7, 64)
-        stalled, release = ctx.Event(), ctx.Event()
-        victim = kids.start(rp.stalling_writer_main, path, 40, stalled, release, with_stop=False)
+        stalled, where = ctx.Event(), ctx.Array("q", 2, lock=False)
+        victim = kids.start(rp.stalling_writer_main, path, 40, stalled, None, where, with_stop=False)
         assert stalled.wait(15), "the stalling writer never reached its fill"
-        dead_start, dead_n = kids.reports(1)[0]
+        dead_start, dead_n = where[:]
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(5)
         assert victim.exitcode == -signal.SIGKILL
@@ -152,7 +158,7 @@ def test_writer_killed_mid_write(ctx, shm_dir):
             wait_until(lambda: reader.write_count > before + 2000, 10, "the other writers to go on")
             assert (reader.seq[dead_start % cap:][:dead_n] % 2 == 1).all(), "the dead slots should stay odd"
             assert reader.write_count < dead_start + cap, "test too slow: writers lapped the dead slots"
-        kids.stop.set()
+        kids.halt()
         got = kids.reports(3)
     assert all(r[1] > 0 for r in got), got
     reader_report = next(r for r in got if r[0] == "reader")
@@ -196,10 +202,10 @@ def test_lapping_writer_waits_for_a_stalled_writer(ctx, shm_dir):
     (that would commit a torn row); it waits for it, and both rows end up intact."""
     path = create(shm_dir / "r", capacity=256)
     with children(ctx) as kids:
-        stalled, release = ctx.Event(), ctx.Event()
-        kids.start(rp.stalling_writer_main, path, 16, stalled, release, with_stop=False)
+        stalled, release, where = ctx.Event(), ctx.Event(), ctx.Array("q", 2, lock=False)
+        kids.start(rp.stalling_writer_main, path, 16, stalled, release, where, with_stop=False)
         assert stalled.wait(15)
-        start, n = kids.reports(1)[0]
+        start, n = where[:]
         kids.start(rp.lapping_writer_main, path, 512, 16, with_stop=False)
         with ReplayReader(path) as reader:
             wait_until(lambda: reader.write_count >= start + 256, 10, "the lapping writer to reach the slot")
@@ -217,10 +223,10 @@ def test_lapping_writer_waits_for_a_stalled_writer(ctx, shm_dir):
 def test_recover_spares_a_live_writer(ctx, shm_dir):
     path = create(shm_dir / "r", capacity=128)
     with children(ctx) as kids:
-        stalled, release = ctx.Event(), ctx.Event()
-        victim = kids.start(rp.stalling_writer_main, path, 10, stalled, release, with_stop=False)
+        stalled, where = ctx.Event(), ctx.Array("q", 2, lock=False)
+        victim = kids.start(rp.stalling_writer_main, path, 10, stalled, None, where, with_stop=False)
         assert stalled.wait(15)
-        start, n = kids.reports(1)[0]
+        start, n = where[:]
         with ReplayStorage.open(path, recover=True) as store:
             assert store.recover() == 0  # its writer is alive: not ours to clear
             assert (store.seq[start:start + n] % 2 == 1).all()

@@ -11,10 +11,12 @@ The hot path is built to add as little as possible to the env and policy:
   (one ``set`` per step instead of five), ``worker`` and ``env`` are written
   once, ``policy_version`` once per chunk, and ``episode``/``step`` are
   advanced from the previous step's ``done`` with in-place ops;
-- the transitions' leaves are not stacked as TensorDicts: each leaf is
-  stacked straight into its own ``[chunk_steps, num_envs, ...]`` buffer,
-  reused across chunks (no allocation, no page faults for large
-  observations); the rows are views of these buffers;
+- the transitions' leaves are not stacked as TensorDicts: each small leaf
+  is stacked once per chunk straight into its own ``[chunk_steps, num_envs,
+  ...]`` buffer, and each large one (image batches) is copied into its buffer
+  right after the step, while in cache, so the env's allocator gets the
+  memory back at once; the buffers are reused across chunks (no allocation
+  per chunk) and the rows are views of them;
 - the episode accounting (returns, lengths, finished episodes) is done once
   per chunk on the ``[chunk_steps, num_envs]`` rewards and flags, with the
   same float64 left-to-right sums as a step-by-step accumulation.
@@ -79,7 +81,6 @@ class Rollout:
         self._stamp_tds = [_tensordict({f: buf[i] for f, buf in self._stamps.items()}, batch) for i in range(t)]
         self._step_rows, self._episode_rows = self._stamps["step"].unbind(0), self._stamps["episode"].unbind(0)
         self._done = torch.empty((t, n), dtype=torch.bool)
-        self._done_rows = self._done.unbind(0)
         self._returns = torch.empty((t, n), dtype=torch.float64)
         self._return_rows = self._returns.unbind(0)
         self._keep = torch.empty((t, n), dtype=torch.float64)  # 1.0 where the episode goes on
@@ -119,7 +120,11 @@ class Rollout:
                                    "produce the same keys")
             dones.append(_done_of(leaves, n))
             for key, rows in self._eager:  # large leaves: copied while hot, and freed for the env to reuse
-                rows[t].copy_(_pop(leaves, key))
+                leaf = _pop(leaves, key)
+                if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
+                    raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
+                                       f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
+                rows[t].copy_(leaf)
             per_step.append(leaves)
         self._root = root
         torch.stack(dones, out=self._done)

@@ -68,6 +68,9 @@ def _timeout() -> Any:
     return arg(None, _seconds)
 
 
+_CHECKS: dict[type, dict[str, Check]] = {}
+
+
 # -- requests -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Request:
@@ -84,13 +87,24 @@ class Request:
         if not lo <= len(payload) <= hi:
             want = f"{lo}" if lo == hi else f"{lo} to {hi}"
             raise RequestError(ErrorCode.BAD_REQUEST, f"{cls.cmd} takes {want} payload frame(s), got {len(payload)}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if "check" in f.metadata}
-        unknown = sorted(set(args) - set(fields))
+        checks = cls._checks()
+        if not args and not payload:
+            return cls._build({}, ())
+        unknown = sorted(set(args) - set(checks))
         if unknown:
             raise RequestError(ErrorCode.BAD_REQUEST,
-                               f"{cls.cmd} has no argument(s) {unknown[:5]}; it takes {sorted(fields) or 'none'}")
-        values = {name: f.metadata["check"](name, args[name]) for name, f in fields.items() if name in args}
+                               f"{cls.cmd} has no argument(s) {unknown[:5]}; it takes {sorted(checks) or 'none'}")
+        values = {name: check(name, args[name]) for name, check in checks.items() if name in args}
         return cls._build(values, tuple(payload))
+
+    @classmethod
+    def _checks(cls) -> dict[str, Check]:
+        """``{argument: checker}``, computed once per class."""
+        checks = _CHECKS.get(cls)
+        if checks is None:
+            checks = _CHECKS[cls] = {f.name: f.metadata["check"] for f in dataclasses.fields(cls)
+                                     if "check" in f.metadata}
+        return checks
 
     @classmethod
     def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
@@ -213,10 +227,11 @@ class Result:
         if not isinstance(obj, dict):
             raise BadReply(f"{cls.__name__}: expected a JSON object, got {type(obj).__name__}")
         names = cls.field_names()
-        missing = sorted(n for n in names if n not in obj)
-        if missing:
-            raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?")
-        return cls(**{k: v for k, v in obj.items() if k in names})
+        try:
+            return cls(**{name: obj[name] for name in names})
+        except KeyError:
+            missing = sorted(n for n in names if n not in obj)
+            raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?") from None
 
 
 @dataclass(frozen=True)
@@ -252,7 +267,7 @@ class Status(Result):
     weights_version: int
     replay: ReplayStatus
     workers: list[WorkerStatus]
-    config: dict[str, Any]
+    config: dict[str, Any]  # the daemon passes it pre-encoded (protocol.Preencoded); clients get a dict
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()

@@ -7,6 +7,7 @@ deadline passes (``timeout``).
 """
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections import deque
@@ -14,8 +15,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from ingestd.control.commands import Request
-from ingestd.control.protocol import ErrorCode, RequestError
+from ingestd.control.protocol import ErrorCode, Preencoded, RequestError
 
 POLL_S = 0.0005  # how often a waiting command re-reads the stats blocks
 LIVENESS_EVERY = 20  # polls between /proc liveness checks of the workers waited for
@@ -60,6 +63,45 @@ class FrameRates:
         return (f1 - f0) / (t1 - t0)
 
 
+class RecordReader:
+    """Reads workers' stats records with one ``struct`` unpack each (numpy's per-call overhead
+    made up most of a status request). Relies on the record layout being plain words
+    (``ingestd.collect.stats.RECORD``)."""
+
+    SCALARS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
+               "returns_count")
+
+    def __init__(self, records: np.ndarray):
+        dtype = records.dtype
+        self._bytes = records.view(np.uint8)
+        self._size = dtype.itemsize
+        layout = sorted((dtype.fields[name][1], name, dtype.fields[name][0]) for name in self.SCALARS)
+        codes = {("i", 8): "q", ("u", 8): "Q", ("f", 8): "d"}  # standard sizes ("=" mode)
+        fmt, pos = "=", 0
+        for offset, _, field_dtype in layout:
+            fmt += f"{offset - pos}x{codes[field_dtype.kind, field_dtype.itemsize]}"
+            pos = offset + field_dtype.itemsize
+        self._scalars = struct.Struct(fmt)
+        self._names = tuple(name for _, name, _ in layout)
+        self._returns_at, self._ring = dtype.fields["returns"][1], dtype.fields["returns"][0].shape[0]
+        self._error_at, self._error_len = dtype.fields["error"][1], dtype.fields["error"][0].itemsize
+        self._double = struct.Struct("=d")
+
+    def read(self, index: int) -> tuple[dict[str, Any], float | None, str]:
+        """``(scalars, last return or None, error)`` of worker ``index``."""
+        base = index * self._size
+        values = dict(zip(self._names, self._scalars.unpack_from(self._bytes, base)))
+        count = values["returns_count"]
+        last = None
+        if count:
+            slot = (count - 1) % self._ring
+            last = self._double.unpack_from(self._bytes, base + self._returns_at + 8 * slot)[0]
+        start = base + self._error_at
+        error = bytes(self._bytes[start:start + self._error_len]).rstrip(b"\0").decode("utf-8", "replace")
+        return values, last, error
+
+
+
 @dataclass
 class Context:
     """What handlers get: the daemon, and the server's thread-safe helpers."""
@@ -71,17 +113,34 @@ class Context:
     stopping: threading.Event = field(default_factory=threading.Event)
     change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # one publisher of the weight store
-    _config_cache: tuple[int, dict] | None = None
+    _config_cache: tuple[int, dict, Preencoded] | None = None
+    _record_reader: RecordReader | None = None
+
+    def record_reader(self) -> RecordReader:
+        """A fast reader of the workers' stats records, made on first use."""
+        if self._record_reader is None:
+            self._record_reader = RecordReader(self.daemon.layout.stats.records)
+        return self._record_reader
 
     def deadline(self, request: Request) -> float:
         wait = request.wait_s or self.daemon.config.control.ack_timeout_s
         return time.monotonic() + wait
 
     def config_dict(self) -> dict:
+        """The effective config as nested dicts (recomputed when a reload replaces it)."""
+        return self._config()[1]
+
+    def config_json(self) -> Preencoded:
+        """The same, encoded once for the replies that carry it."""
+        return self._config()[2]
+
+    def _config(self) -> tuple[int, dict, Preencoded]:
         config = self.daemon.config
-        if self._config_cache is None or self._config_cache[0] != id(config):
-            self._config_cache = (id(config), config.to_dict())
-        return self._config_cache[1]
+        cache = self._config_cache
+        if cache is None or cache[0] != id(config):
+            plain = config.to_dict()
+            cache = self._config_cache = (id(config), plain, Preencoded(plain))
+        return cache
 
     def on_main(self, fn: Callable[[], Any], deadline: float) -> Any:
         """Run ``fn`` in the daemon's main thread and return its result."""

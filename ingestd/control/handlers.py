@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ingestd import __version__
 from ingestd.collect.stats import Desired, State
 from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pushed, PushWeights, Reload, Reloaded, ReplayStatus, Request,
     Restart, Resume, Scale, Status, WorkerStatus,
 )
 from ingestd.control.context import Context, pid_alive
-from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, RequestError
+from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
 from ingestd.errors import BadWeights, ConfigError
 
 log = logging.getLogger("ingestd.control")
@@ -29,34 +30,26 @@ log = logging.getLogger("ingestd.control")
 
 # -- fast handlers (control thread) ---------------------------------------------------
 def ping(ctx: Context, request: Ping) -> dict:
-    from ingestd import __version__
-
     return {"pong": True, "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION,
             "events_address": ctx.events_address, "time": time.time()}
 
 
-_STATUS_FIELDS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
-                  "returns_count")
 _NOT_LIVE = (State.STOPPED, State.FAILED, State.EMPTY)
 
 
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
-    """Every worker's status from one copy of their stats records (cheap at 1,000 requests/s)."""
-    if not indices:
-        return []
-    records = ctx.daemon.layout.stats.records[indices]  # fancy indexing: one consistent-enough copy
-    cols = {name: records[name].tolist() for name in _STATUS_FIELDS}
+    """Every worker's status, read straight from the shared stats records."""
+    reader = ctx.record_reader()
     out = []
-    for k, index in enumerate(indices):
-        state, pid, count = State(cols["state"][k]), cols["pid"][k], cols["returns_count"][k]
-        ring = records["returns"][k]
+    for index in indices:
+        rec, last, error = reader.read(index)
+        state, pid = State(rec["state"]), rec["pid"]
         out.append(WorkerStatus(
-            index=index, state=state.label, pid=pid, incarnation=cols["incarnation"][k], frames=cols["frames"][k],
-            frames_per_s=round(ctx.rates.rate(index), 1), episodes=cols["episodes"][k],
-            last_return=float(ring[(count - 1) % len(ring)]) if count else None, restarts=cols["restarts"][k],
-            weights_version=cols["weights_version"][k],
-            heartbeat_age_s=round(now - cols["heartbeat"][k], 4) if pid > 0 and state not in _NOT_LIVE else None,
-            error=bytes(records["error"][k]).decode("utf-8", "replace")))
+            index=index, state=state.label, pid=pid, incarnation=rec["incarnation"], frames=rec["frames"],
+            frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"], last_return=last,
+            restarts=rec["restarts"], weights_version=rec["weights_version"],
+            heartbeat_age_s=round(now - rec["heartbeat"], 4) if pid > 0 and state not in _NOT_LIVE else None,
+            error=error))
     return out
 
 
@@ -69,11 +62,11 @@ def status(ctx: Context, request: GetStatus) -> dict:
         pid=os.getpid(), uptime_s=round(time.time() - daemon.started_at, 3), desired=Desired(sup.desired).name.lower(),
         count=sup.count, weights_version=weights.version if weights is not None else 0,
         replay=ReplayStatus(str(storage.path), min(write_count, storage.capacity), storage.capacity, write_count),
-        workers=_workers_status(ctx, ctx.slots(), now), config=ctx.config_dict()).to_json()
+        workers=_workers_status(ctx, ctx.slots(), now), config=ctx.config_json()).to_json()
 
 
-def get_config(ctx: Context, request: GetConfig) -> dict:
-    return ctx.config_dict()
+def get_config(ctx: Context, request: GetConfig) -> Preencoded:
+    return ctx.config_json()
 
 
 # -- slow handlers (thread pool) ---------------------------------------------------------

@@ -97,17 +97,23 @@ class Header:
 RequestId = str | int | None
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# Built once: json.loads/dumps with options construct a new decoder/encoder on every call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def _loads(data: bytes) -> Any:
     """Strict JSON: UTF-8, no NaN/Infinity constants."""
-    def reject_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    return json.loads(data.decode("utf-8"), parse_constant=reject_constant)
+    return _DECODER.decode(data.decode("utf-8"))
 
 
 def dumps(obj: Any) -> bytes:
     """Compact, strict JSON (NaN is not JSON: encode it as ``None`` before calling)."""
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def peek_id(data: bytes) -> RequestId:
@@ -163,13 +169,31 @@ def encode_header(request_id: str | int, cmd: str, args: dict[str, Any]) -> byte
     return dumps({"v": PROTOCOL_VERSION, "id": request_id, "cmd": cmd, "args": args})
 
 
+class Preencoded:
+    """A JSON value encoded once and spliced into many replies as it is (the config in every
+    status reply: encoding it per request would cost more than the rest of the status)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, value: Any):
+        self.text = dumps(jsonable(value))
+
+
 def encode_result(request_id: RequestId, result: Any) -> bytes:
-    reply = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result}
+    """A success reply. Top-level ``Preencoded`` values of a dict result are spliced in."""
+    spliced = b""
+    if isinstance(result, Preencoded):
+        return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, dumps(request_id), result.text)
+    if isinstance(result, dict) and any(isinstance(v, Preencoded) for v in result.values()):
+        spliced = b",".join(dumps(k) + b":" + v.text for k, v in result.items() if isinstance(v, Preencoded))
+        result = {k: v for k, v in result.items() if not isinstance(v, Preencoded)}
     try:
-        return dumps(reply)
+        text = dumps(result)
     except ValueError:  # a NaN or infinity somewhere: strict JSON says null
-        reply["result"] = jsonable(result)
-        return dumps(reply)
+        text = dumps(jsonable(result))
+    if spliced:
+        text = text[:-1] + (b"," if len(text) > 2 else b"") + spliced + b"}"
+    return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, dumps(request_id), text)
 
 
 def encode_error(request_id: RequestId, code: ErrorCode, message: str) -> bytes:

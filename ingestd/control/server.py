@@ -213,8 +213,8 @@ class ControlServer:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_housekeeping = 0.0
-        try:
-            while not self.ctx.stopping.is_set():
+        while not self.ctx.stopping.is_set():
+            try:
                 ready = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
                 if self._router in ready:
                     self._drain_router()
@@ -228,10 +228,10 @@ class ControlServer:
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(now)
-        except Exception:
-            log.exception("control thread crashed; control requests will go unanswered")
-        finally:
-            self._flush_outbox()
+            except Exception:  # keep serving: a bug in one step must not silence the control plane
+                log.exception("control thread: unexpected error; carrying on")
+                time.sleep(0.01)
+        self._flush_outbox()
 
     def _drain_router(self) -> None:
         for _ in range(RECV_BATCH):

@@ -5,10 +5,10 @@ the copy; rows that were never written, are being written, or changed during
 the copy are re-drawn, so a sample never holds a torn row.
 
 The hot path is built for many small leaves: the rows' records are gathered
-with one fancy index (a row is one or two cache lines), then each group of
-leaves with equal dtype and shape is transposed into a contiguous
-``(leaves, n, *shape)`` array by one precomputed index and split into
-per-leaf tensors by one ``unbind``. Large leaves (images) are gathered by
+with one fancy index (a row is one or two cache lines instead of one miss per
+leaf), then each run of leaves with equal dtype and shape is copied out of the
+gathered records as one contiguous ``(leaves, n, *shape)`` array and split
+into per-leaf tensors by one ``unbind``. Large leaves (images) are gathered by
 ``torch.index_select``, which copies rows on torch's intra-op threads. The
 nested TensorDict is put together from a key plan made once.
 """
@@ -43,7 +43,6 @@ class ReplayReader(MappedStore):
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
-        self._records = files.record_array(self._data, self._layout, self.capacity)
         self._groups = self._plan_groups()
         self._columns = [self.leaves[k] for k in self._layout.columns]
         order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
@@ -181,7 +180,6 @@ class ReplayReader(MappedStore):
         return built[-1]
 
     def close(self) -> None:
-        self._records = None
         self._columns = []
         super().close()
 

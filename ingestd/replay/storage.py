@@ -67,8 +67,8 @@ class MappedStore:
             raise
         self._closed = False
         self.seq = self._header[files.HEADER_WORDS:]
-        self._data = mm
         self._arrays = files.leaf_arrays(mm, self.schema, self._layout, self.capacity)
+        self._records = files.record_array(mm, self._layout, self.capacity)
         self.leaves: dict[Key, torch.Tensor] = {k: files.as_tensor(a) for k, a in self._arrays.items()}
 
     @property
@@ -91,7 +91,7 @@ class MappedStore:
         self._closed = True
         self.leaves.clear()
         self._arrays.clear()
-        self.seq = self._header = self._data = None  # drop numpy views before unmapping
+        self.seq = self._header = self._records = None  # drop views before unmapping
         self._unmap()
 
     def _unmap(self) -> None:
@@ -124,6 +124,9 @@ class ReplayStorage(MappedStore):
             super().close()
             raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
         self._write_lock = threading.Lock()
+        self._expected = {k: (leaf.shape, leaf.dtype) for k, leaf in self.schema.items() if k != WRITE_INDEX}
+        self._fields = {k: (a.dtype, self._layout.fields[k], a.shape[1:], a.strides[1:])
+                        for k, a in self._arrays.items() if k in self._layout.fields}  # packing plan
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -277,13 +280,23 @@ class ReplayStorage(MappedStore):
             self.seq[dst] = values[src]
 
     def _fill(self, index: np.ndarray, batch: TensorDictBase) -> None:
-        """Copy the rows into their reserved slots (a separate step so tests can stall it)."""
-        windex = torch.from_numpy(index)
-        segments = self._segments(int(index[0]), index.size)
-        for key, tensor in self.leaves.items():
-            src = windex if key == WRITE_INDEX else batch.get(key)
+        """Copy the rows into their reserved slots (a separate step so tests can stall it).
+
+        The small leaves are packed into records in a staging buffer, which then lands in
+        the ring with one memcpy per segment; large leaves are copied column by column."""
+        leaves = flat_leaves(batch)
+        n = index.size
+        segments = self._segments(int(index[0]), n)
+        stage = np.zeros(n, self._records.dtype)
+        for key, (dtype, offset, shape, strides) in self._fields.items():
+            field = np.ndarray((n, *shape), dtype, stage, offset, (self._layout.record_bytes, *strides))
+            field[...] = index if key == WRITE_INDEX else _as_numpy(leaves[key])
+        for dst, part in segments:
+            self._records[dst] = stage[part]
+        for key in self._layout.columns:
+            src, column = leaves[key], self.leaves[key]
             for dst, part in segments:
-                tensor[dst].copy_(src[part])
+                column[dst].copy_(src[part])
 
     def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
         """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)``."""
@@ -302,17 +315,18 @@ class ReplayStorage(MappedStore):
         if n > self.capacity:
             raise SchemaMismatch(f"a batch of {n} rows does not fit a storage of capacity {self.capacity}; "
                                  "write smaller batches or raise replay.capacity")
-        got = {as_key(k) for k in batch.keys(include_nested=True, leaves_only=True)} - {WRITE_INDEX}
-        want = set(self.schema) - {WRITE_INDEX}
-        if got != want:
-            raise SchemaMismatch(f"batch keys do not match the storage: missing {sorted(want - got)}, "
-                                 f"unexpected {sorted(got - want)}")
-        for key in want:
-            leaf, value = self.schema[key], batch.get(key)
-            if tuple(value.shape[1:]) != leaf.shape or value.dtype != leaf.dtype:
+        got = flat_leaves(batch)
+        got.pop(WRITE_INDEX, None)  # filled in by write()
+        if got.keys() != self._expected.keys():
+            missing, unexpected = set(self._expected) - set(got), set(got) - set(self._expected)
+            raise SchemaMismatch(f"batch keys do not match the storage: missing {sorted(missing)}, "
+                                 f"unexpected {sorted(unexpected)}")
+        for key, value in got.items():
+            shape, dtype = self._expected[key]
+            if value.shape[1:] != shape or value.dtype != dtype:
                 raise SchemaMismatch(f"leaf {key}: got shape {tuple(value.shape[1:])} {value.dtype} per row, "
-                                     f"the storage holds {leaf.shape} {leaf.dtype}")
-            if value.device.type != "cpu":
+                                     f"the storage holds {shape} {dtype}")
+            if not value.is_cpu:
                 raise SchemaMismatch(f"leaf {key} is on {value.device}; move the batch to the CPU first")
         return n
 
@@ -333,3 +347,12 @@ def describe_diff(have: Mapping[Key, Leaf], want: Mapping[Key, Leaf]) -> str:
             parts.append(f"{key}: stored {have[key].shape} {have[key].dtype}, "
                          f"produced {want[key].shape} {want[key].dtype}")
     return "; ".join(parts)
+
+
+def flat_leaves(td: TensorDictBase) -> dict[Key, torch.Tensor]:
+    """``{key tuple: tensor}`` for every leaf of ``td``."""
+    return {k if type(k) is tuple else (k,): v for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
