@@ -31,7 +31,7 @@ from ingestd.replay.layout import WRITE_INDEX
 
 KINDS = {  # capacity, rows per write, observation shape and dtype
     "cartpole": {"capacity": 1_000_000, "batch": 256, "obs": ((4,), torch.float32)},
-    "pixels": {"capacity": 16_384, "batch": 32, "obs": ((4, 84, 84), torch.uint8)},
+    "pixels": {"capacity": 16_384, "batch": 64, "obs": ((4, 84, 84), torch.uint8)},
 }
 SAMPLE_SIZES = (256, 4096)
 
@@ -114,7 +114,8 @@ def writer_child(path: str, kind: str, threads: int, malloc_reuse: bool, ready, 
         reuse_freed_memory()
     batch = make_batch(kind, KINDS[kind]["batch"])
     with ReplayStorage.open(path) as store:
-        store.write(batch)
+        for _ in range(store.capacity // batch.batch_size[0] + 1):  # map every page of the ring
+            store.write(batch)
         ready.put("writer")
         for start, stop, _ in plan.get():
             _wait(start)
@@ -130,8 +131,8 @@ def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) 
     if malloc_reuse:
         reuse_freed_memory()
     with ReplayReader(path, seed=0) as reader:
-        for n in SAMPLE_SIZES:
-            reader.sample(n)
+        for start in range(0, reader.capacity, 4096):  # map every page of the ring
+            reader.gather(np.arange(start, min(start + 4096, reader.capacity)))
         ready.put("reader")
         for start, stop, n in plan.get():
             if n is None:

@@ -29,3 +29,36 @@ def disk_dir():
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# -- session hygiene -----------------------------------------------------------------------------
+# Nothing a test session starts may outlive it: processes, /dev/shm entries, listening sockets
+# (tests/reliability_util.py: Hygiene says how each is attributed to this session). The check
+# runs as the session's *first* registered cleanup, so it runs last: after the session fixtures
+# and after the cleanups tests register (the shared control daemon is closed in one).
+def pytest_sessionstart(session):
+    from reliability_util import Hygiene
+
+    hygiene = Hygiene()
+    hygiene.start()
+    session.config.add_cleanup(lambda: _check_hygiene(session, hygiene))
+
+
+def _check_hygiene(session, hygiene) -> None:
+    from reliability_util import report
+
+    problems = hygiene.finish()
+    if problems:
+        report(problems)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    import sys
+
+    util = sys.modules.get("reliability_util")
+    if util is not None and util.FIGURES:
+        terminalreporter.section("reliability figures")
+        for line in util.summary_lines():
+            terminalreporter.write_line(line)

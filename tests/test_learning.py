@@ -30,14 +30,14 @@ BUDGET_S = 170.0  # hard bound on the whole test, daemon start and teardown incl
 WINDOW = 20  # "the last 20 finished episodes"
 RANDOM_LEVEL = 50.0  # a uniform-random CartPole policy averages about 22
 LEARNED = 150.0  # what the daemon's workers must reach with the trainer's weights
-TRAINER_TARGET = 200.0  # the trainer stops once the daemon's recent mean holds this
+TRAINER_TARGET = 180.0  # the trainer stops once the daemon's recent mean holds this (3 looks, 1.5 s)
 MAX_LAG = 8
 PUSH_EVERY = 100
 WORKERS = 2
 
 DAEMON = {
     "workers.count": WORKERS, "workers.num_envs": 16, "workers.chunk_steps": 8, "replay.capacity": 100_000,
-    "service.seed": 7, "workers.policy_kwargs": {"epsilon": 1.0, "hidden": [64, 64]},  # starts fully random
+    "service.seed": 7, "workers.policy_kwargs": {"epsilon": 1.0, "hidden": [128, 128]},  # starts fully random
 }
 
 
@@ -83,7 +83,7 @@ def test_dqn_example_raises_the_daemons_returns_and_trains_only_on_fresh_rows():
                 assert start_mean < RANDOM_LEVEL, before
 
                 code = trainer.wait(timeout=max(1.0, deadline - time.monotonic() - 15))
-                assert code == 0, trainer_log.read_text()
+                assert code == 0, trainer_log.read_text(errors="replace")
                 result = json.loads(result_path.read_text())
 
                 # the daemon's returns with the trainer's last weights: fresh episodes only
@@ -101,12 +101,14 @@ def test_dqn_example_raises_the_daemons_returns_and_trains_only_on_fresh_rows():
             if trainer.poll() is None:
                 trainer.kill()
                 trainer.wait(10)
+            trainer_output = trainer_log.read_text(errors="replace")
+            print(trainer_output)
     elapsed = time.monotonic() - started
     report = (f"daemon returns (last {WINDOW}): {start_mean:.1f} -> {final_mean:.1f}; trainer: "
               f"{result['updates']} updates in {result['seconds']:.1f} s, versions {result['first_version']}.."
               f"{result['final_version']}, largest row lag {result['max_row_lag']}; test {elapsed:.0f} s")
     print(report)
-    assert final_mean >= LEARNED, f"{report}\n{trainer_log.read_text() if trainer_log.exists() else ''}"
+    assert final_mean >= LEARNED, report
     assert min(metric_means.values()) >= LEARNED * 0.8 and len(metric_means) == WORKERS, (metric_means, scraped)
     assert elapsed < BUDGET_S
 

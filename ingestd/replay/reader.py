@@ -117,7 +117,7 @@ class ReplayReader(MappedStore):
         if pos + n > self._pool.size:
             if 4 * n > _POOL:
                 return self._rng.integers(0, bound, size=n)
-            self._pool = self._rng.integers(0, 1 << 62, size=_POOL, dtype=np.int64)
+            self._pool = (self._rng.bit_generator.random_raw(_POOL) >> np.uint64(2)).view(np.int64)
             pos = 0
         self._pos = pos + n
         return self._pool[pos:pos + n] % bound  # modulo bias < bound / 2**62
@@ -134,7 +134,8 @@ class ReplayReader(MappedStore):
             columns = [torch.index_select(column, 0, tidx) for column in self._columns]
         after = seq[idx]
         # valid = committed (even, non-zero) and not touched by a writer meanwhile
-        if np.array_equal(before, after) and before.all() and not (before & 1).any():
+        if (before.tobytes() == after.tobytes() and not np.count_nonzero(before & 1)
+                and np.count_nonzero(before) == before.size):
             return records, columns, None
         return records, columns, np.flatnonzero((before != after) | (before == 0) | ((before & 1) != 0))
 
