@@ -1,46 +1,52 @@
 #!/usr/bin/env python3
-"""DQN on a running ingestd daemon's CartPole, using only ingestd's public API and torch.
+"""DQN against a running ingestd daemon's CartPole, with only ingestd's public API and torch.
 
 The daemon's workers collect with the built-in ``MLP`` epsilon-greedy policy.
-This trainer attaches to the replay storage by path, samples TorchRL-layout
-batches, learns a Q-network with the same state_dict names as the workers'
-policy (``ingestd.collect.policies.mlp_qnet``) and pushes it every
+This trainer attaches to the replay storage by path, samples batches in the
+TorchRL layout, learns a Q-network with the same state_dict names as the
+workers' policy (``ingestd.collect.policies.mlp_qnet``) and pushes it every
 ``--push-every`` updates through the control socket. Exploration is annealed
 by pushing the ``epsilon`` buffer along with the weights.
 
-Start a daemon whose policy begins fully random, then the trainer::
+Start a daemon whose policy starts out fully random, then the trainer::
 
-    ingestd run --set workers.num_envs=16 --set workers.chunk_steps=8 \\
-                --set replay.capacity=100000 --set 'workers.policy_kwargs={epsilon = 1.0}'
+    ingestd run --set workers.num_envs=16 --set workers.chunk_steps=8 --set replay.capacity=200000 \\
+                --set 'workers.policy_kwargs={epsilon = 1.0, hidden = [128, 128]}'
     python examples/dqn_cartpole.py --replay ~/.local/state/ingestd/replay --seconds 120
 
-and watch ``ingestctl status`` (or the Grafana dashboard's episode-return
-panel): the returns the *daemon's workers* get climb from ~20 (random) to
-several hundred.
+Then watch ``ingestctl status`` (or the Grafana dashboard's episode-return
+panel). The returns of the daemon's workers climb from about 20 (random) to
+200 or more, usually within 1,000 updates.
 
-Freshness ("max lag"): the trainer trains only on rows whose
-``("ingestd", "policy_version")`` is at least ``last pushed version - max_lag``;
-older rows are dropped and more are drawn. ``ReplayReader`` has no such
-option yet, so the filter lives here (``FreshSampler``). Every update
-records the version it trained against and the oldest and newest row
-versions, and the result counts the rows per version, so the property can be
-checked after the fact.
+**Freshness ("max lag").** The trainer trains only on rows whose
+``("ingestd", "policy_version")`` is at least ``last pushed version - max_lag``.
+It drops older rows and draws more. ``ReplayReader`` has no such option yet, so
+the filter lives here (``FreshSampler``). For every update the trainer records
+the version it trained against and the oldest and newest versions of its
+rows, and it counts the rows of each version, so the property can be checked
+afterwards.
+
+**The daemon's returns** are read from the daemon, never from the trainer's
+own bookkeeping: ``DaemonReturns`` takes the last finished episodes of each
+worker. ``Status`` carries only each worker's *last* return, so for now this
+reads the workers' stats block (the one ``status`` and the metrics read).
 
 Import it to drive it from Python: ``train(TrainConfig(replay=...)) -> TrainResult``.
+Another loss plugs in through ``train(..., learner=...)``; see ``torchrl_dqnloss.py``.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -52,34 +58,49 @@ from ingestd.collect.policies import mlp_qnet
 DEFAULT_HIDDEN = (64, 64)  # the MLP policy's default
 
 
+def option(default: Any, help: str, type: Callable | None = None, metavar: str | None = None) -> Any:
+    """A setting: its default and its --help text, in one place (the CLI is built from them)."""
+    return field(default=default, metadata={"help": help, "type": type, "metavar": metavar})
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    replay: str  # path of the daemon's replay storage
-    connect: str | None = None  # control address; None: $INGESTD_CONTROL or the default ipc socket
-    wait: float = 0.0  # seconds to wait for the daemon to create the replay and answer (started together)
-    seconds: float = 120.0  # wall-clock budget of the training loop
-    target_return: float | None = None  # stop early once the daemon's recent mean return reaches it
-    target_checks: int = 3  # ... at this many consecutive looks (check_every apart)
-    return_window: int = 20  # "recent": the last N finished episodes across workers
-    push_every: int = 100  # updates between weight pushes
-    max_lag: int = 8  # train only on rows with policy_version >= last pushed - max_lag
-    batch_size: int = 256
-    lr: float = 1e-3
-    gamma: float = 0.99
-    tau: float = 0.01  # soft target-network update per gradient step
-    double: bool = True  # Double DQN targets
-    grad_clip: float = 10.0
-    eps_start: float = 1.0
-    eps_end: float = 0.02
-    eps_updates: int = 3000  # updates over which epsilon is annealed linearly
-    learning_starts: int = 2000  # rows in the replay before the first update
-    hidden: tuple[int, ...] | None = None  # None: the daemon's workers.policy_kwargs.hidden, or (64, 64)
-    num_actions: int = 2
-    threads: int = 1  # torch intra-op threads: leave the cores to the workers
-    seed: int = 0
-    log_every: float = 5.0  # seconds between progress lines
-    check_every: float = 0.5  # seconds between looks at the daemon's returns
-    stats: str | None = None  # the daemon's workers.stats file; None: from the daemon's config
+    replay: str = option("", "the daemon's replay storage directory (required)", metavar="PATH")
+    connect: str | None = option(None, "control address (default: $INGESTD_CONTROL, else the default ipc "
+                                       "socket)", str, metavar="ADDR")
+    wait: float = option(0.0, "seconds to wait for the daemon's replay and control socket to appear",
+                         metavar="S")
+    seconds: float = option(120.0, "training time budget", metavar="S")
+    target_return: float | None = option(None, "stop early once the daemon's recent mean return reaches this",
+                                         float, metavar="R")
+    target_checks: int = option(3, "... at this many consecutive looks (check_every apart)", metavar="N")
+    return_window: int = option(20, "'recent': the last N finished episodes across workers", metavar="N")
+    push_every: int = option(100, "push the weights every K updates", metavar="K")
+    max_lag: int = option(8, "train only on rows with policy_version >= last pushed version - L", metavar="L")
+    batch_size: int = option(256, "rows per update")
+    lr: float = option(1e-3, "Adam learning rate")
+    gamma: float = option(0.99, "discount")
+    tau: float = option(0.01, "soft target-network update per gradient step")
+    double: bool = option(True, "Double DQN targets (--no-double: plain DQN)")
+    grad_clip: float = option(10.0, "gradient norm clip")
+    eps_start: float = option(1.0, "pushed epsilon at the first push ...")
+    eps_end: float = option(0.02, "... annealed linearly to this ...")
+    eps_updates: int = option(1000, "... over this many updates")
+    learning_starts: int = option(2000, "rows written to the replay before the first update")
+    hidden: tuple[int, ...] | None = option(None, "hidden sizes, e.g. 128,128 (default: the daemon's "
+                                                  "workers.policy_kwargs.hidden, else 64,64)", _sizes,
+                                            metavar="H1,H2")
+    num_actions: int = option(2, "actions of the env (CartPole: 2)")
+    threads: int = option(1, "torch intra-op threads (leave the cores to the workers)")
+    seed: int = option(0, "seed of the network init and of the sampling")
+    log_every: float = option(5.0, "seconds between progress lines", metavar="S")
+    check_every: float = option(0.5, "seconds between looks at the daemon's returns", metavar="S")
+    stats: str | None = option(None, "the daemon's workers.stats file (default: <runtime_dir>/workers.stats, "
+                                     "runtime_dir as the daemon reports it)", str, metavar="FILE")
 
 
 @dataclass
@@ -88,18 +109,18 @@ class TrainResult:
     pushes: int = 0
     seconds: float = 0.0
     first_version: int = 0  # the daemon's weights version when training started
-    final_version: int = 0  # the last version this trainer pushed
+    final_version: int = 0  # the last version this trainer pushed (first_version if none)
     reached_target: bool = False
     rows_trained: int = 0
     rows_dropped_stale: int = 0  # drawn but refused for being older than max_lag allows
-    # per update: the version it trained against (last pushed) and its rows' oldest/newest versions
+    # per update: the version it trained against (the last pushed) and its rows' oldest and newest versions
     update_version: list[int] = field(default_factory=list)
     update_min_row_version: list[int] = field(default_factory=list)
     update_max_row_version: list[int] = field(default_factory=list)
     rows_per_version: dict[int, int] = field(default_factory=dict)
     # (seconds since start, updates, the daemon's mean return of the last `return_window` episodes)
     returns_seen: list[tuple[float, int, float | None]] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # mean loss per log interval
+    losses: list[float] = field(default_factory=list)  # mean loss per progress line
     timing: dict[str, float] = field(default_factory=dict)  # seconds spent sampling, learning, pushing, watching
 
     def max_row_lag(self) -> int:
@@ -113,35 +134,33 @@ class TrainResult:
         return out
 
 
-# -- the daemon's episode returns ------------------------------------------------------
+# -- the daemon's episode returns ------------------------------------------------------------
 class DaemonReturns:
-    """The last episode returns the daemon's workers finished (daemon state, not the trainer's).
+    """The returns of the episodes the daemon's workers finished last (daemon state, not ours).
 
-    ``Status.workers[i].last_return`` is only the latest one, so until the
-    status reply carries the per-worker ring this reads the daemon's stats
-    block file (read-only, a copy per call)."""
+    ``Status.workers[i].last_return`` holds only the latest one. Until the status reply
+    carries each worker's ring of recent returns, the ring is read from the daemon's
+    stats block file (read-only, one copy per call)."""
 
-    def __init__(self, ctl, stats_path: str | os.PathLike | None = None):
-        self.ctl = ctl
+    def __init__(self, stats_path: str | os.PathLike | None = None):
         self._stats_path = Path(stats_path) if stats_path else None
 
-    def _ring_reader(self, status) -> Path:
+    def _stats_file(self, status) -> Path:
         if self._stats_path is None:
             runtime = status.config.get("service", {}).get("runtime_dir") or ""
-            if not runtime:
+            if not runtime:  # the daemon's default; assumes we share its environment
                 from ingestd.service.config import default_runtime_dir
                 runtime = str(default_runtime_dir(os.environ))
             self._stats_path = Path(os.path.expanduser(runtime)) / "workers.stats"
         return self._stats_path
 
-    def per_worker(self, status=None) -> dict[int, list[float]]:
+    def per_worker(self, status) -> dict[int, list[float]]:
         """``{worker index: its recent returns, oldest first}``."""
-        status = status or self.ctl.status()
         if status.workers and all(hasattr(w, "recent_returns") for w in status.workers):
-            return {w.index: list(w.recent_returns) for w in status.workers}
+            return {w.index: list(w.recent_returns) for w in status.workers}  # once status has them
         from ingestd.collect.stats import RECORD, RING
 
-        records = np.fromfile(self._ring_reader(status), dtype=RECORD)
+        records = np.fromfile(self._stats_file(status), dtype=RECORD)
         out = {}
         for w in status.workers:
             rec = records[w.index]
@@ -150,10 +169,10 @@ class DaemonReturns:
             out[w.index] = [float(rec["returns"][(count - take + k) % RING]) for k in range(take)]
         return out
 
-    def recent_mean(self, last: int = 20, status=None) -> float | None:
-        """Mean of about the last ``last`` finished episodes: the newest ``ceil(last / workers)``
-        of every worker (the rings carry no timestamps to interleave them exactly).
-        None until that many episodes have finished."""
+    def recent_mean(self, status, last: int = 20) -> float | None:
+        """Mean of the last ``last`` finished episodes, taken as the newest ``ceil(last / workers)``
+        of each worker (the rings carry no timestamps to interleave them exactly); None until
+        that many have finished."""
         rings = [r for r in self.per_worker(status).values() if r]
         if not rings:
             return None
@@ -162,54 +181,92 @@ class DaemonReturns:
         return float(np.mean(chosen)) if len(chosen) >= last else None
 
 
-# -- sampling fresh rows -----------------------------------------------------------------
+# -- sampling fresh rows -----------------------------------------------------------------------
 class FreshSampler:
     """``sample(n, min_version)``: ``n`` uniform rows whose policy_version >= ``min_version``.
 
-    Rejection sampling over ``ReplayReader.sample``; ``SampleTimeout`` if ``timeout``
-    passes without enough fresh rows (the workers are paused, or max_lag is too tight)."""
+    Rejection sampling over ``ReplayReader.sample``, drawing more when many rows are
+    stale. ``SampleTimeout`` if ``timeout`` passes without enough fresh rows (the
+    workers are paused, or max_lag is tighter than the push rate allows)."""
 
     def __init__(self, reader, timeout: float = 30.0):
         self.reader, self.timeout = reader, timeout
         self.dropped = 0
+        self._fresh = 1.0  # running estimate of the fraction of rows that pass
 
     def sample(self, n: int, min_version: int):
         deadline = time.monotonic() + self.timeout
         parts, have = [], 0
         while have < n:
-            batch = self.reader.sample(max(n - have, n // 2), timeout=max(0.001, deadline - time.monotonic()))
+            need = n - have
+            draw = need if self._fresh > 0.98 else min(8 * n, math.ceil(need * 1.2 / max(self._fresh, 0.125)))
+            batch = self.reader.sample(draw, timeout=max(0.001, deadline - time.monotonic()))
             keep = batch["ingestd", "policy_version"] >= min_version
             kept = int(keep.sum())
-            self.dropped += batch.batch_size[0] - kept
+            self.dropped += draw - kept
+            self._fresh = 0.8 * self._fresh + 0.2 * kept / draw
             if kept:
-                parts.append(batch if kept == batch.batch_size[0] else batch[keep])
+                parts.append(batch if kept == draw else batch[keep])
                 have += kept
             elif time.monotonic() > deadline:
                 raise ingestd.SampleTimeout(f"no rows with policy_version >= {min_version} in "
                                             f"{self.reader.path} for {self.timeout} s")
-            else:
-                time.sleep(0.001)
         batch = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return batch[:n]
+        return batch[:n] if have > n else batch
 
 
-# -- DQN ------------------------------------------------------------------------------
+# -- learning -----------------------------------------------------------------------------------
+class Learner(Protocol):
+    """What the training loop needs from a loss: one gradient step on a batch of ingestd rows."""
+
+    def step(self, batch) -> torch.Tensor:
+        """Train on ``batch`` (as ``ReplayReader.sample`` gives it); the loss, detached."""
+
+
+def adam(params, lr: float) -> torch.optim.Optimizer:
+    """Adam, fused where this torch has it on CPU (half the time of the per-parameter loop)."""
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.Adam(params, lr=lr)
+
+
 def dqn_loss(qnet, target, batch, gamma: float, double: bool) -> torch.Tensor:
-    """Huber TD loss on a TorchRL-layout batch; bootstraps unless ``("next", "terminated")``."""
-    obs, action = batch["observation"], batch["action"]
-    next_obs = batch["next", "observation"]
+    """Huber TD loss on a TorchRL-layout batch; bootstraps unless ``("next", "terminated")``
+    (a time-limit truncation bootstraps)."""
     reward = batch["next", "reward"].reshape(-1)
     terminated = batch["next", "terminated"].reshape(-1)
-    q = qnet(obs).gather(1, action.reshape(-1, 1)).squeeze(1)
+    next_obs = batch["next", "observation"]
+    q = qnet(batch["observation"]).gather(1, batch["action"].reshape(-1, 1)).squeeze(1)
     with torch.no_grad():
-        next_q_target = target(next_obs)
-        if double:
-            best = qnet(next_obs).argmax(1, keepdim=True)
-            next_q = next_q_target.gather(1, best).squeeze(1)
+        next_q = target(next_obs)
+        if double:  # the online network picks, the target network values
+            next_q = next_q.gather(1, qnet(next_obs).argmax(1, keepdim=True)).squeeze(1)
         else:
-            next_q = next_q_target.max(1).values
+            next_q = next_q.max(1).values
         y = reward + gamma * next_q * (~terminated).to(reward.dtype)
     return F.smooth_l1_loss(q, y)
+
+
+class DQNLearner:
+    """(Double) DQN in plain torch: Huber loss, Adam, a soft-updated target network."""
+
+    def __init__(self, qnet: torch.nn.Module, cfg: TrainConfig):
+        self.qnet, self.cfg = qnet, cfg
+        self.target = copy.deepcopy(qnet).requires_grad_(False)
+        self.params = list(qnet.parameters())
+        self._target_params = list(self.target.parameters())
+        self.optim = adam(self.params, cfg.lr)
+
+    def step(self, batch) -> torch.Tensor:
+        loss = dqn_loss(self.qnet, self.target, batch, self.cfg.gamma, self.cfg.double)
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optim.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(self._target_params, self.params, self.cfg.tau)
+        return loss.detach()
 
 
 def epsilon_at(cfg: TrainConfig, updates: int) -> float:
@@ -218,24 +275,28 @@ def epsilon_at(cfg: TrainConfig, updates: int) -> float:
 
 
 def daemon_hidden(status) -> tuple[int, ...]:
+    """The hidden sizes of the daemon's MLP policy, from its effective config."""
     kwargs = status.config.get("workers", {}).get("policy_kwargs", {}) or {}
     return tuple(int(h) for h in kwargs.get("hidden", DEFAULT_HIDDEN))
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
+# -- the training loop -----------------------------------------------------------------------------
+def train(cfg: TrainConfig, log: Callable[[str], None] = print,
+          learner: Callable[[torch.nn.Module, TrainConfig], Learner] = DQNLearner) -> TrainResult:
+    """Attach, train until ``cfg.seconds`` pass or the daemon's returns reach ``cfg.target_return``."""
+    if not cfg.replay:
+        raise ValueError("TrainConfig.replay: give the daemon's replay storage directory")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    result = TrainResult()
     ctl = ingestd.ControlClient(cfg.connect, timeout=10.0)
     try:
         reader, status = attach(cfg, ctl)
         try:
-            _train(cfg, reader, ctl, status, result, log)
+            return Trainer(cfg, reader, ctl, status, learner, log).run()
         finally:
             reader.close()
     finally:
         ctl.close()
-    return result
 
 
 def attach(cfg: TrainConfig, ctl) -> tuple:
@@ -254,161 +315,140 @@ def attach(cfg: TrainConfig, ctl) -> tuple:
             time.sleep(0.2)
 
 
-def _train(cfg: TrainConfig, reader, ctl, status, result: TrainResult, log: Callable[[str], None]) -> None:
-    returns = DaemonReturns(ctl, cfg.stats)
-    obs_dim = math.prod(reader.schema[("observation",)].shape)
-    hidden = cfg.hidden or daemon_hidden(status)
-    qnet = mlp_qnet(obs_dim, cfg.num_actions, hidden)
-    target = copy.deepcopy(qnet).requires_grad_(False)
-    params = list(qnet.parameters())
-    optim = _adam(params, cfg.lr)
-    sampler = FreshSampler(reader)
-    version = result.first_version = result.final_version = status.weights_version
-    log(f"attached to {cfg.replay} ({len(reader)} rows of {reader.capacity}); daemon weights version {version}; "
-        f"Q-network {obs_dim}-{'-'.join(map(str, hidden))}-{cfg.num_actions}")
+class Trainer:
+    """One training run: sample fresh rows, step the learner, push every K updates, watch the daemon."""
 
-    while reader.write_count < cfg.learning_starts:
-        time.sleep(0.05)
-    start = time.monotonic()
-    next_check = next_log = start
-    held = 0  # consecutive looks at which the daemon's returns were at or above target_return
-    interval_losses: list[float] = []
-    pending: list[torch.Tensor] = []  # row versions not yet counted into result.rows_per_version
-    timing = result.timing
-    timing.update(sample=0.0, learn=0.0, push=0.0, watch=0.0)
-    while True:
-        now = time.monotonic()
-        if now >= next_check:
-            next_check = now + cfg.check_every
-            mean = returns.recent_mean(cfg.return_window)
-            result.returns_seen.append((round(now - start, 3), result.updates, mean))
-            if now >= next_log:
-                next_log = now + cfg.log_every
-                loss = float(np.mean(interval_losses)) if interval_losses else float("nan")
-                result.losses.append(loss)
-                interval_losses.clear()
-                shown = "n/a" if mean is None else f"{mean:.1f}"
-                result.rows_dropped_stale = sampler.dropped
-                log(f"t={now - start:6.1f}s updates={result.updates:6d} loss={loss:.4f} "
-                    f"eps={epsilon_at(cfg, result.updates):.3f} version={version} "
-                    f"stale-dropped={result.rows_dropped_stale} daemon-return(last {cfg.return_window})={shown}")
-            held = held + 1 if cfg.target_return is not None and mean is not None and mean >= cfg.target_return else 0
-            if held >= cfg.target_checks:
-                result.reached_target = True
-                break
-            if now - start >= cfg.seconds:
-                break
-            timing["watch"] += time.monotonic() - now
+    def __init__(self, cfg: TrainConfig, reader, ctl, status, learner, log: Callable[[str], None]):
+        self.cfg, self.reader, self.ctl, self.log = cfg, reader, ctl, log
+        obs_dim = math.prod(reader.schema[("observation",)].shape)
+        hidden = cfg.hidden or daemon_hidden(status)
+        self.qnet = mlp_qnet(obs_dim, cfg.num_actions, hidden)
+        self.learner = learner(self.qnet, cfg)
+        self.sampler = FreshSampler(reader)
+        self.returns = DaemonReturns(cfg.stats)
+        self.result = TrainResult(first_version=status.weights_version, final_version=status.weights_version)
+        self.version = status.weights_version  # the newest weights the workers collect with
+        self.result.timing.update(sample=0.0, learn=0.0, push=0.0, watch=0.0)
+        self._losses: list[torch.Tensor] = []
+        self._versions: list[torch.Tensor] = []  # row versions not yet counted into rows_per_version
+        self._held = 0
+        log(f"attached to {cfg.replay} ({len(reader)} rows of {reader.capacity}); daemon weights version "
+            f"{self.version}; Q-network {obs_dim}-{'-'.join(map(str, hidden))}-{cfg.num_actions}")
 
+    def run(self) -> TrainResult:
+        cfg, result, timing = self.cfg, self.result, self.result.timing
+        while self.reader.write_count < cfg.learning_starts:
+            time.sleep(0.05)
+        self.start = time.monotonic()
+        next_check = next_log = self.start
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                progress = now >= next_log
+                next_check, next_log = now + cfg.check_every, now + cfg.log_every if progress else next_log
+                if self._watch(now, progress):
+                    break
+                timing["watch"] += time.monotonic() - now
+            self._update()
+            if result.updates % cfg.push_every == 0:
+                t0 = time.monotonic()
+                self._push()
+                timing["push"] += time.monotonic() - t0
+        return self._finish()
+
+    def _update(self) -> None:
         t0 = time.monotonic()
-        batch = sampler.sample(cfg.batch_size, version - cfg.max_lag)
-        row_versions = batch["ingestd", "policy_version"]
+        batch = self.sampler.sample(self.cfg.batch_size, self.version - self.cfg.max_lag)
         t1 = time.monotonic()
-        timing["sample"] += t1 - t0
-        loss = dqn_loss(qnet, target, batch, cfg.gamma, cfg.double)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optim.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(target.parameters()), params, cfg.tau)
+        self._losses.append(self.learner.step(batch))
+        self.result.timing["sample"] += t1 - t0
+        self.result.timing["learn"] += time.monotonic() - t1
+        rows = batch["ingestd", "policy_version"]
+        result = self.result
         result.updates += 1
-        interval_losses.append(loss.item())
-        result.update_version.append(version)
-        result.update_min_row_version.append(int(row_versions.min()))
-        result.update_max_row_version.append(int(row_versions.max()))
-        result.rows_trained += row_versions.numel()
-        pending.append(row_versions)
-        if len(pending) >= 256:
-            _count_versions(pending, result)
+        result.update_version.append(self.version)
+        result.update_min_row_version.append(int(rows.min()))
+        result.update_max_row_version.append(int(rows.max()))
+        result.rows_trained += rows.numel()
+        self._versions.append(rows)
+        if len(self._versions) >= 256:
+            self._count_versions()
 
-        t2 = time.monotonic()
-        timing["learn"] += t2 - t1
-        if result.updates % cfg.push_every == 0:
-            qnet.epsilon.fill_(epsilon_at(cfg, result.updates))
-            version = ctl.push_weights(qnet, wait=True)
-            result.final_version = version
-            result.pushes += 1
-            timing["push"] += time.monotonic() - t2
+    def _push(self) -> None:
+        self.qnet.epsilon.fill_(epsilon_at(self.cfg, self.result.updates))
+        self.version = self.result.final_version = self.ctl.push_weights(self.qnet, wait=True)
+        self.result.pushes += 1
 
-    _count_versions(pending, result)
-    result.rows_dropped_stale = sampler.dropped
-    result.seconds = round(time.monotonic() - start, 3)
-    result.timing = {k: round(v, 3) for k, v in timing.items()}
-    mean = returns.recent_mean(cfg.return_window)
-    log(f"done: {result.updates} updates in {result.seconds:.1f}s, {result.pushes} pushes "
-        f"(versions {result.first_version}..{result.final_version}), largest row lag {result.max_row_lag()} "
-        f"(max {cfg.max_lag}), daemon-return(last {cfg.return_window})="
-        f"{'n/a' if mean is None else f'{mean:.1f}'}")
+    def _watch(self, now: float, progress: bool) -> bool:
+        """Look at the daemon; print a progress line if asked. True: time to stop."""
+        cfg, result = self.cfg, self.result
+        status = self.ctl.status()
+        mean = self.returns.recent_mean(status, cfg.return_window)
+        elapsed = now - self.start
+        result.returns_seen.append((round(elapsed, 3), result.updates, mean))
+        if progress:
+            loss = float(torch.stack(self._losses).mean()) if self._losses else float("nan")
+            self._losses.clear()
+            result.losses.append(loss)
+            result.rows_dropped_stale = self.sampler.dropped
+            frames = sum(w.frames_per_s for w in status.workers)
+            self.log(f"t={elapsed:6.1f}s updates={result.updates:6d} loss={loss:.4f} "
+                     f"eps={epsilon_at(cfg, result.updates):.3f} version={self.version} "
+                     f"stale-dropped={result.rows_dropped_stale} daemon: {frames:.0f} frames/s, "
+                     f"return(last {cfg.return_window})={_shown(mean)}")
+        reached = cfg.target_return is not None and mean is not None and mean >= cfg.target_return
+        self._held = self._held + 1 if reached else 0
+        result.reached_target = self._held >= cfg.target_checks
+        return result.reached_target or elapsed >= cfg.seconds
+
+    def _count_versions(self) -> None:
+        if self._versions:
+            values, counts = torch.unique(torch.cat(self._versions), return_counts=True)
+            for v, c in zip(values.tolist(), counts.tolist()):
+                self.result.rows_per_version[v] = self.result.rows_per_version.get(v, 0) + c
+            self._versions.clear()
+
+    def _finish(self) -> TrainResult:
+        result = self.result
+        self._count_versions()
+        result.rows_dropped_stale = self.sampler.dropped
+        result.seconds = round(time.monotonic() - self.start, 3)
+        result.timing = {k: round(v, 3) for k, v in result.timing.items()}
+        mean = self.returns.recent_mean(self.ctl.status(), self.cfg.return_window)
+        self.log(f"done: {result.updates} updates in {result.seconds:.1f}s, {result.pushes} pushes (versions "
+                 f"{result.first_version}..{result.final_version}), largest row lag {result.max_row_lag()} "
+                 f"(max {self.cfg.max_lag}), daemon return(last {self.cfg.return_window})={_shown(mean)}")
+        return result
 
 
-def _adam(params, lr: float) -> torch.optim.Optimizer:
-    """Adam, fused where this torch has it on CPU (half the time of the per-parameter loop)."""
+def _shown(mean: float | None) -> str:
+    return "n/a" if mean is None else f"{mean:.1f}"
+
+
+# -- command line ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None, description: str = "") -> tuple[TrainConfig, str | None]:
+    """``TrainConfig`` from the command line (one option per field), and ``--result-json``."""
+    p = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = f.metadata["type"] or type(f.default)
+            p.add_argument(flag, type=kind, default=f.default, required=f.name == "replay",
+                           metavar=f.metadata["metavar"], help=f.metadata["help"])
+    p.add_argument("--result-json", metavar="FILE", help="write the TrainResult here as JSON")
+    args = vars(p.parse_args(argv))
+    result_json = args.pop("result_json")
+    return TrainConfig(**args), result_json
+
+
+def main(argv: list[str] | None = None, learner=DQNLearner, description: str = "") -> int:
+    cfg, result_json = parse_args(argv, description)
     try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, lr=lr)
-
-
-def _count_versions(pending: list[torch.Tensor], result: TrainResult) -> None:
-    if pending:
-        values, counts = torch.unique(torch.cat(pending), return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            result.rows_per_version[v] = result.rows_per_version.get(v, 0) + c
-        pending.clear()
-
-
-# -- command line ----------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None]:
-    defaults = TrainConfig(replay="")
-    p = argparse.ArgumentParser(description="DQN trainer for a running ingestd daemon (CartPole, MLP policy).")
-    p.add_argument("--replay", required=True, help="the daemon's replay storage directory")
-    p.add_argument("--connect", help="control address (default: $INGESTD_CONTROL, else the default ipc socket)")
-    p.add_argument("--wait", type=float, default=defaults.wait, metavar="S",
-                   help="wait up to S seconds for the daemon's replay and control socket to appear")
-    p.add_argument("--seconds", type=float, default=defaults.seconds, help="training time budget")
-    p.add_argument("--target-return", type=float, help="stop once the daemon's recent mean return reaches this")
-    p.add_argument("--target-checks", type=int, default=defaults.target_checks, metavar="N",
-                   help="... at N consecutive looks, half a second apart")
-    p.add_argument("--push-every", type=int, default=defaults.push_every, metavar="K",
-                   help="push the weights every K updates")
-    p.add_argument("--max-lag", type=int, default=defaults.max_lag, metavar="L",
-                   help="train only on rows with policy_version >= last pushed version - L")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--gamma", type=float, default=defaults.gamma)
-    p.add_argument("--tau", type=float, default=defaults.tau, help="soft target update rate per step")
-    p.add_argument("--no-double", action="store_true", help="plain DQN targets instead of Double DQN")
-    p.add_argument("--eps-start", type=float, default=defaults.eps_start)
-    p.add_argument("--eps-end", type=float, default=defaults.eps_end)
-    p.add_argument("--eps-updates", type=int, default=defaults.eps_updates,
-                   help="updates over which the pushed epsilon is annealed")
-    p.add_argument("--learning-starts", type=int, default=defaults.learning_starts, metavar="ROWS")
-    p.add_argument("--hidden", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="hidden sizes, e.g. 64,64 (default: the daemon's policy_kwargs.hidden)")
-    p.add_argument("--num-actions", type=int, default=defaults.num_actions)
-    p.add_argument("--threads", type=int, default=defaults.threads)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--log-every", type=float, default=defaults.log_every, metavar="S")
-    p.add_argument("--stats", help="the daemon's workers.stats file (default: <runtime_dir>/workers.stats)")
-    p.add_argument("--result-json", metavar="FILE", help="write the TrainResult as JSON here")
-    a = p.parse_args(argv)
-    cfg = TrainConfig(
-        replay=a.replay, connect=a.connect, wait=a.wait, seconds=a.seconds, target_return=a.target_return,
-        target_checks=a.target_checks, push_every=a.push_every, max_lag=a.max_lag, batch_size=a.batch_size,
-        lr=a.lr, gamma=a.gamma, tau=a.tau,
-        double=not a.no_double, eps_start=a.eps_start, eps_end=a.eps_end, eps_updates=a.eps_updates,
-        learning_starts=a.learning_starts, hidden=a.hidden, num_actions=a.num_actions, threads=a.threads,
-        seed=a.seed, log_every=a.log_every, stats=a.stats)
-    return cfg, a.result_json
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg, result_json = parse_args(argv)
-    try:
-        result = train(cfg, log=lambda line: print(line, flush=True))
+        result = train(cfg, log=lambda line: print(line, flush=True), learner=learner)
     except ingestd.IngestdError as exc:
-        print(f"dqn_cartpole: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if result_json:
         Path(result_json).write_text(json.dumps(result.to_json()))

@@ -91,12 +91,14 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
 
 
 # -- processes -------------------------------------------------------------------------------
-def rss_kib(pid: int) -> int | None:
-    """Resident set size of ``pid`` in KiB (None if it is gone)."""
+def rss_kib(pid: int, kind: str = "RssAnon") -> int | None:
+    """Resident memory of ``pid`` in KiB (None if it is gone). ``RssAnon`` by default: the
+    process's private memory, where a leak shows. ``VmRSS`` also counts the pages of the shared
+    replay and stats files a process has touched, which grow until the ring has wrapped."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(kind + ":"):
                     return int(line.split()[1])
     except OSError:
         return None
@@ -114,6 +116,55 @@ def process_state(pid: int) -> str | None:
 
 def alive(pid: int) -> bool:
     return process_state(pid) not in (None, "Z", "X")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(root: int | None = None) -> float:
+    """CPU seconds used by ``root`` (default: this process) and its descendants, reaped ones
+    included (through their parents' cutime/cstime)."""
+    from daemon_proc import descendants
+
+    root = os.getpid() if root is None else root
+    total = 0
+    for pid in [root, *descendants(root)]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[-1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _TICK
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent busy (steal included: the hypervisor gave it away)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+class ExternalLoad:
+    """The share of the machine's CPU used by processes outside this test's process tree
+    between ``start()`` and ``stop()`` (0.5 = one of two cores busy with someone else's work).
+
+    Timing figures taken on a machine others keep busy say little about ingestd; tests judge
+    their timing targets only when this stays under ``QUIET``."""
+
+    QUIET = 0.10
+
+    def __init__(self):
+        self.cores = len(os.sched_getaffinity(0))
+        self.start()
+
+    def start(self) -> None:
+        self._t, self._busy, self._ours = time.monotonic(), machine_busy(), tree_cpu()
+
+    def stop(self) -> float:
+        t, busy, ours = time.monotonic(), machine_busy(), tree_cpu()
+        share = ((busy - self._busy) - (ours - self._ours)) / max(1e-9, (t - self._t) * self.cores)
+        return max(0.0, share)
 
 
 @dataclass
@@ -395,3 +446,50 @@ def report(problems: list[str], stream=None) -> None:
     for line in problems:
         stream.write(f"  - {line}\n")
     stream.flush()
+
+
+# -- env faults by worker index (the daemon loads it as reliability_util:faulty_by_worker) -------
+FAULTS = {1: ("Raising", 0), 2: ("WrongShape", 0), 3: ("NaNReward", 0), 4: ("NaNReward", 20), 5: ("WrongShape", 20)}
+
+
+def faulty_by_worker(ctx):
+    """Worker 0: a healthy Checksum env. Workers 1-3 fault on their first step (they can never
+    write a chunk: crash loop), workers 4-5 after 20 steps (two good chunks of 8 steps, then a
+    bad one), as ``FAULTS`` says; see tests/faulty_envs.py."""
+    import faulty_envs
+    from ingestd.collect.registry import make_env
+
+    name, after = FAULTS.get(ctx.worker, (None, 0))
+    if name is None:
+        return make_env("Checksum", ctx, {})
+    return getattr(faulty_envs, name)(ctx, after_steps=after)
+
+
+# -- status load (run in client processes: ``python -m reliability_util load ...``) ------------
+def status_load(address: str, rate: float, start: float, window: float, rounds: int, out: str) -> None:
+    """Open loop: ``rate`` status requests/s during the loaded windows
+    ``[start + (2k+1) * window, start + (2k+2) * window)``, k < ``rounds``; writes each request's
+    latency (send to decoded reply, seconds) and its lateness against the schedule to ``out``."""
+    from ingestd.control.client import ControlClient
+    from ingestd.control.commands import GetStatus
+
+    latency, late = [], []
+    with ControlClient(address, timeout=5.0, retries=0) as client:
+        for k in range(rounds):
+            t0, t1 = start + (2 * k + 1) * window, start + (2 * k + 2) * window
+            n = 0
+            while (due := t0 + n / rate) < t1:
+                now = time.monotonic()
+                if due > now:
+                    time.sleep(due - now)
+                sent = time.monotonic()
+                assert client.request(GetStatus()).ok
+                latency.append(time.monotonic() - sent)
+                late.append(sent - due)
+                n += 1
+    np.save(out, np.array([latency, late], dtype=np.float64))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["load"]:
+    address, rate, start, window, rounds, out = sys.argv[2:]
+    status_load(address, float(rate), float(start), float(window), int(rounds), out)

@@ -201,7 +201,9 @@ def test_oversize_frame_gets_no_reply_and_changes_nothing(daemon, client):
     with pytest.raises(DaemonUnavailable):
         with ControlClient(daemon.control_address, timeout=0.5) as c:
             c.push_weights({"bias": torch.zeros(1), "pad": torch.rand(MAX_MESSAGE_BYTES)}, timeout_s=0.5)
-    assert client.ping()["pong"]
+    assert client.ping()["pong"] and client.status().weights_version == version
+    before = write_count(client)
+    wait_for(lambda: write_count(client) > before, 5, "collection to continue")
 
 
 # -- errors and robustness ---------------------------------------------------------------------

@@ -129,7 +129,11 @@ class Rollout:
         self._root = root
         torch.stack(dones, out=self._done)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
-            torch.stack([_pick(leaves, key) for leaves in per_step], out=buf)
+            parts = [_pick(leaves, key) for leaves in per_step]
+            try:
+                torch.stack(parts, out=buf)
+            except (RuntimeError, TypeError):  # torch's message does not name the key
+                raise EnvFault(_changed(key, buf, parts)) from None
         rows = self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
         finished = self._account()
         check_rows(rows)
@@ -250,6 +254,14 @@ def _pop(leaves: dict, key) -> torch.Tensor:
     except KeyError:
         raise RuntimeError(f"the env's transitions do not all have the key {key}; every step must "
                            "produce the same keys") from None
+
+
+def _changed(key, buf: torch.Tensor, parts: list) -> str:
+    """Why the steps of a small leaf could not be stacked into its [T, B, ...] buffer."""
+    want = (tuple(buf.shape[1:]), buf.dtype)
+    got = next(((tuple(p.shape), p.dtype) for p in parts if (tuple(p.shape), p.dtype) != want), want)
+    return (f"the env's transitions changed {key} within a chunk: {want[0]} {want[1]}, then {got[0]} {got[1]}; "
+            "every step must produce the same shapes and dtypes")
 
 
 def _pick(leaves: dict, key) -> torch.Tensor:
