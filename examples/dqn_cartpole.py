@@ -211,6 +211,8 @@ class FreshSampler:
             elif time.monotonic() > deadline:
                 raise ingestd.SampleTimeout(f"no rows with policy_version >= {min_version} in "
                                             f"{self.reader.path} for {self.timeout} s")
+            else:
+                time.sleep(0.001)  # every row is stale: let the workers write fresh ones
         batch = parts[0] if len(parts) == 1 else torch.cat(parts)
         return batch[:n] if have > n else batch
 
@@ -233,8 +235,11 @@ def adam(params, lr: float) -> torch.optim.Optimizer:
 
 def dqn_loss(qnet, target, batch, gamma: float, double: bool) -> torch.Tensor:
     """Huber TD loss on a TorchRL-layout batch; bootstraps unless ``("next", "terminated")``
-    (a time-limit truncation bootstraps)."""
+    (a time-limit truncation bootstraps). Rows that span ``m`` steps (an n-step
+    ``steps_to_next_obs`` entry, TorchRL's name) are discounted by ``gamma ** m``."""
     reward = batch["next", "reward"].reshape(-1)
+    steps = batch.get("steps_to_next_obs", None)
+    discount = gamma if steps is None else gamma ** steps.reshape(-1).to(reward.dtype)
     terminated = batch["next", "terminated"].reshape(-1)
     next_obs = batch["next", "observation"]
     q = qnet(batch["observation"]).gather(1, batch["action"].reshape(-1, 1)).squeeze(1)
@@ -244,7 +249,7 @@ def dqn_loss(qnet, target, batch, gamma: float, double: bool) -> torch.Tensor:
             next_q = next_q.gather(1, qnet(next_obs).argmax(1, keepdim=True)).squeeze(1)
         else:
             next_q = next_q.max(1).values
-        y = reward + gamma * next_q * (~terminated).to(reward.dtype)
+        y = reward + discount * next_q * (~terminated).to(reward.dtype)
     return F.smooth_l1_loss(q, y)
 
 

@@ -34,6 +34,18 @@ class State(enum.IntEnum):
         return self.name.lower()
 
 
+class PauseReason(enum.IntEnum):
+    """Why a worker is paused (the ``pause_reason`` word; NONE while it collects)."""
+
+    NONE = 0
+    REQUESTED = 1  # a pause command
+    BUDGET = 2  # workers.total_frames reached
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
 class Desired(enum.IntEnum):
     RUN = 0
     PAUSE = 1
@@ -48,6 +60,9 @@ RECORD = np.dtype([
     ("limiter_blocked_s", np.float64), ("chunk_seconds", np.float64),
     ("returns_count", np.int64), ("returns", np.float64, (RING,)), ("lengths", np.int64, (RING,)),
     ("error", f"S{ERROR_BYTES}"),
+    # collector features (ingestd.collect.features, ingestd.collect.profiling)
+    ("threads", np.int64), ("profile_seq", np.int64), ("profile_done", np.int64),
+    ("profile_seconds", np.float64), ("profile_path", "S256"),
 ], align=True)
 
 

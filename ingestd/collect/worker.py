@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ingestd.collect.stats import Desired, State, StatsBlock
+from ingestd.collect.stats import Desired, PauseReason, State, StatsBlock
 
 log = logging.getLogger("ingestd.worker")
 
@@ -44,6 +44,14 @@ class WorkerSpec:
     device: str = "cpu"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    # collector features (ingestd.collect.features; docs/collector-features.md)
+    init_random_frames: int = 0
+    max_episode_steps: int = 0  # 0: no limit
+    total_frames: int = 0  # 0: no budget
+    n_step: int = 1
+    gamma: float = 0.99
+    compile_policy: bool = False
+    enable_profile: bool = True
 
 
 def derive_seed(base: int, worker: int, incarnation: int) -> int:
@@ -87,6 +95,7 @@ class Worker:
     def run(self) -> None:
         import torch
 
+        from ingestd.collect.features import ChunkExtras, component_seeds
         from ingestd.collect.rollout import Rollout
         from ingestd.replay.storage import ReplayStorage
 
@@ -94,20 +103,24 @@ class Worker:
         rec["pid"], rec["state"] = os.getpid(), State.STARTING
         self._beat()
         torch.set_num_threads(max(1, spec.threads))
+        rec["threads"] = torch.get_num_threads()
         storage = ReplayStorage.open(spec.replay_path)
         incarnation = storage.next_incarnation()
         seed = derive_seed(spec.seed, spec.index, incarnation)
         rec["incarnation"], rec["seed"] = incarnation, seed
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
+        seeds = component_seeds(seed)
+        torch.manual_seed(seeds.torch)
+        np.random.seed(seeds.numpy)
         log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
         env, policy = build_env_and_policy(spec, seed, incarnation << 32)
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
-        rollout = Rollout(env, policy, spec.index, incarnation << 32, spec.chunk_steps)
+        self.extras = ChunkExtras(spec, env, policy, seeds, rec)
+        rollout = Rollout(self.extras.env, self.extras.acting, spec.index, incarnation << 32, spec.chunk_steps)
         try:
             self._loop(rollout, storage, weights, policy)
         finally:
+            self.extras.close(storage)
             env.close()
             storage.close()
         rec["state"] = State.STOPPED
@@ -117,18 +130,22 @@ class Worker:
         while True:
             self._beat()
             desired = rec["desired"]
+            self.extras.profile.poll()
             if desired == Desired.STOP:
                 rec["state"] = State.STOPPING
+                self.extras.flush(storage)
                 return
-            if desired == Desired.PAUSE:
-                rec["state"] = State.PAUSED
+            paused = PauseReason.REQUESTED if desired == Desired.PAUSE else self.extras.paused(storage)
+            if paused:
+                rec["state"], rec["pause_reason"] = State.PAUSED, paused
                 time.sleep(_PAUSED_POLL_S)
                 continue
-            rec["state"] = State.RUNNING
+            rec["state"], rec["pause_reason"] = State.RUNNING, PauseReason.NONE
             self.version = self._apply_weights(weights, policy, self.version)
             t0 = time.perf_counter()
-            rows, finished = rollout.chunk(self.version)
-            storage.write(rows)
+            with self.extras.profile.chunk():
+                rows, finished = rollout.chunk(self.extras.before_chunk(rollout, storage, self.version))
+                storage.write(self.extras.stored(rows))
             self._account(rows.batch_size[0], finished, time.perf_counter() - t0)
 
     def _apply_weights(self, weights, policy, current: int) -> int:
@@ -162,10 +179,15 @@ def build_env_and_policy(spec: WorkerSpec, seed: int, episode_base: int, num_env
     from ingestd.collect.interfaces import EnvContext
     from ingestd.collect.registry import make_env, make_policy
 
-    ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=seed, worker=spec.index,
+    from ingestd.collect.features import component_seeds, seeded_policy_kwargs
+    from ingestd.collect.registry import resolve_policy
+
+    seeds = component_seeds(seed)
+    ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=seeds.env, worker=spec.index,
                      episode_base=episode_base, device=spec.device)
     env = make_env(spec.env, ctx, dict(spec.env_kwargs))
-    policy = make_policy(spec.policy, env.spec, dict(spec.policy_kwargs))
+    kwargs = seeded_policy_kwargs(resolve_policy(spec.policy), spec.policy_kwargs, seeds.policy)
+    policy = make_policy(spec.policy, env.spec, kwargs)
     if hasattr(policy, "to") and spec.device != "cpu":
         policy = policy.to(spec.device)
     return env, policy

@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--no-wait", action="store_true", help="reply once published, not once applied")
     cmd.add_argument("--wait", type=float, metavar="S")
     sub.add_parser("reload", help="re-read the daemon's config file (systemd ExecReload)")
+    cmd = sub.add_parser("profile", help="record a torch profiler trace of worker W; prints the trace path")
+    cmd.add_argument("worker", type=int, metavar="W")
+    cmd.add_argument("--seconds", type=float, default=5.0, metavar="S", help="how long to record (5)")
     cmd = sub.add_parser("events", help="follow the event stream")
     cmd.add_argument("--events", metavar="ADDR", help="event address (default: asked from the daemon)")
     cmd.add_argument("--topic", action="append", default=[], help="topic prefix to follow (repeatable)")
@@ -255,6 +258,11 @@ def load_state_dict(path: str) -> dict:
     return obj
 
 
+def _profile(client, args, out: Output) -> int:
+    done = client.profile(args.worker, args.seconds)
+    return out.ok(done.to_json(), done.path)
+
+
 def _reload(client, args, out: Output) -> int:
     r = client.reload()
     extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
@@ -306,6 +314,7 @@ def _keygen(args, out: Output) -> int:
 COMMANDS: dict[str, Callable[..., int]] = {
     "ping": _ping, "status": _status, "config": _config, "pause": _pause_resume, "resume": _pause_resume,
     "restart": _restart, "scale": _scale, "push-weights": _push, "reload": _reload, "events": _events,
+    "profile": _profile,
 }
 
 

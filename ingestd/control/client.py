@@ -29,8 +29,8 @@ import zmq
 
 from ingestd.control import curve
 from ingestd.control.commands import (
-    Acked, GetConfig, GetStatus, Pause, Ping, Pushed, PushWeights, Reload, Reloaded, Request, Restart, Resume,
-    Scale, Status,
+    Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded, Request,
+    Restart, Resume, Scale, Status,
 )
 from ingestd.control.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_header
 from ingestd.errors import BadReply, DaemonUnavailable
@@ -119,6 +119,11 @@ class ControlClient:
 
         frames = tuple(encode(module_or_state_dict))
         return Pushed.from_json(self.call(PushWeights(wait=wait, timeout_s=self._wait(timeout_s), frames=frames)))
+
+    def profile(self, worker: int, seconds: float = 5.0) -> Profiled:
+        """Record a torch profiler trace of worker ``worker``'s loop for ``seconds`` while it keeps
+        collecting; returns once the worker wrote the Chrome trace (``.path``, on the daemon's host)."""
+        return Profiled.from_json(self.call(Profile(worker=int(worker), seconds=float(seconds))))
 
     def reload(self) -> Reloaded:
         """Re-read the daemon's config file and apply what can change live."""

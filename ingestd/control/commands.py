@@ -200,8 +200,40 @@ class Reload(Request):
     cmd: ClassVar[str] = "reload"
 
 
+MAX_PROFILE_S = 600.0
+PROFILE_EXPORT_S = 10.0  # on top of the profiled seconds: stopping the profiler and writing the trace
+
+
+def _profile_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_PROFILE_S:
+        raise _fail(name, f"a number of seconds in (0, {MAX_PROFILE_S:g}]", value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Profile(Request):
+    """Record a torch profiler trace of one worker's loop for ``seconds`` (it keeps collecting)."""
+
+    cmd: ClassVar[str] = "profile"
+    idempotent: ClassVar[bool] = False
+    worker: int = arg(None, _int(0, MAX_WORKERS - 1))
+    seconds: float = arg(5.0, _profile_seconds)
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
+        if "worker" not in values:
+            raise RequestError(ErrorCode.BAD_REQUEST, "profile needs argument 'worker' (a worker index)")
+        return cls(**values)
+
+    @property
+    def wait_s(self) -> float:
+        return self.seconds + PROFILE_EXPORT_S
+
+
 COMMANDS: dict[str, type[Request]] = {
-    cls.cmd: cls for cls in (Ping, GetStatus, GetConfig, Pause, Resume, Restart, Scale, PushWeights, Reload)
+    cls.cmd: cls for cls in (Ping, GetStatus, GetConfig, Pause, Resume, Restart, Scale, PushWeights, Reload,
+                             Profile)
 }
 
 
@@ -248,6 +280,7 @@ class WorkerStatus(Result):
     weights_version: int
     heartbeat_age_s: float | None
     error: str
+    pause_reason: str = ""  # while paused: "requested" (pause command) or "budget" (workers.total_frames)
 
 
 @dataclass(frozen=True)
@@ -297,6 +330,13 @@ class Pushed(Result):
     version: int
     applied: list[int]  # live workers that applied it before the reply (wait=true)
     deferred: list[int]  # paused workers: they apply it before their next chunk
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profiled(Result):
+    worker: int
+    path: str  # the Chrome trace (chrome://tracing, Perfetto) the worker wrote
     seconds: float
 
 

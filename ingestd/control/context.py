@@ -69,7 +69,7 @@ class RecordReader:
     (``ingestd.collect.stats.RECORD``)."""
 
     SCALARS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
-               "returns_count")
+               "returns_count", "pause_reason")
 
     def __init__(self, records: np.ndarray):
         dtype = records.dtype
@@ -113,6 +113,7 @@ class Context:
     stopping: threading.Event = field(default_factory=threading.Event)
     change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # one publisher of the weight store
+    profile_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile request at a time
     _config_cache: tuple[int, dict, Preencoded] | None = None
     _record_reader: RecordReader | None = None
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ingestd import __version__
-from ingestd.collect.stats import Desired, State
+from ingestd.collect.stats import Desired, PauseReason, State
 from ingestd.control.commands import (
-    Acked, GetConfig, GetStatus, Pause, Ping, Pushed, PushWeights, Reload, Reloaded, ReplayStatus, Request,
-    Restart, Resume, Scale, Status, WorkerStatus,
+    Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
+    ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
@@ -49,7 +49,7 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
             frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"], last_return=last,
             restarts=rec["restarts"], weights_version=rec["weights_version"],
             heartbeat_age_s=round(now - rec["heartbeat"], 4) if pid > 0 and state not in _NOT_LIVE else None,
-            error=error))
+            error=error, pause_reason=PauseReason(rec["pause_reason"]).label if state == State.PAUSED else ""))
     return out
 
 
@@ -117,6 +117,8 @@ def _change_desired(ctx: Context, request: Request, desired: Desired) -> dict:
     def verdict(index: int, pid: int, rec) -> bool | None:
         if int(rec["pid"]) != pid or int(rec["state"]) in (State.FAILED, State.STOPPED, State.STOPPING):
             return False
+        if desired == Desired.RUN and int(rec["pause_reason"]) == PauseReason.BUDGET:
+            return True  # resumed, but workers.total_frames keeps it paused
         return True if int(rec["state"]) == target else None
 
     def change(deadline: float) -> list[int]:
@@ -256,6 +258,41 @@ def reload(ctx: Context, request: Reload) -> dict:
     return Reloaded(list(result["applied"]), list(result["not_applied"])).to_json()
 
 
+def profile(ctx: Context, request: Profile) -> dict:
+    """Order a trace from one worker (ingestd.collect.profiling) and wait for its file."""
+    from pathlib import Path
+
+    from ingestd.collect import profiling
+
+    daemon = ctx.daemon
+    if not daemon.config.workers.enable_profile:
+        raise RequestError(ErrorCode.PROFILE_FAILED, "profiling is turned off (workers.enable_profile = false)")
+    stats, index = daemon.layout.stats, request.worker
+    rec = stats[index]
+    if index not in ctx.slots() or State(int(rec["state"])) in _NOT_LIVE or not pid_alive(int(rec["pid"])):
+        raise RequestError(ErrorCode.NO_SUCH_WORKER, f"worker {index} is not running; workers are {ctx.slots()}")
+    deadline = ctx.deadline(request)
+    path = Path(daemon.paths.runtime_dir) / "profiles" / f"worker{index}-{time.strftime('%Y%m%dT%H%M%S')}-" \
+        f"{time.monotonic_ns() % 10**6:06d}.json"
+    if not ctx.profile_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise RequestError(ErrorCode.TIMEOUT, "another profile is being recorded; try again")
+    try:
+        pid = int(rec["pid"])
+        seq = profiling.request(rec, path, request.seconds)
+        done, _ = ctx.wait({index: pid}, lambda i, p, r: True if profiling.outcome(r, seq) else None, deadline,
+                           "write the profile")
+    finally:
+        ctx.profile_lock.release()
+    answer = profiling.outcome(rec, seq) if done else None
+    if answer is None:
+        raise RequestError(ErrorCode.NO_SUCH_WORKER, f"worker {index} stopped before it wrote the profile")
+    ok, text = answer
+    if not ok:
+        raise RequestError(ErrorCode.PROFILE_FAILED, f"worker {index}: {text}")
+    ctx.publish("worker.profiled", worker=index, path=text)
+    return Profiled(index, text, request.seconds).to_json()
+
+
 @dataclass(frozen=True)
 class Handler:
     run: Callable[[Context, Any], Any]
@@ -272,4 +309,5 @@ HANDLERS: dict[type[Request], Handler] = {
     Scale: Handler(scale, fast=False),
     PushWeights: Handler(push_weights, fast=False),
     Reload: Handler(reload, fast=False),
+    Profile: Handler(profile, fast=False),
 }

@@ -43,6 +43,7 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"  # workers did not acknowledge within the deadline (the change stays requested)
     BUSY = "busy"  # too many slow commands in flight; retry later
     RELOAD_FAILED = "reload_failed"  # the config file is wrong; the running config is kept
+    PROFILE_FAILED = "profile_failed"  # profiling is off, or the worker could not record or write the trace
     UNAVAILABLE = "unavailable"  # the daemon is shutting down
     INTERNAL = "internal"  # a bug: the daemon logged a traceback
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ingestd.collect.stats import RING, State, StatsBlock
+from ingestd.collect.stats import RING, PauseReason, State, StatsBlock
 from ingestd.service.telemetry import Telemetry
 
 log = logging.getLogger("ingestd.metrics")
@@ -184,14 +184,20 @@ class IngestdCollector(Collector):
         families = {key: kind(name, doc, labels=["worker"]) for key, kind, name, doc in WORKER_METRICS}
         state = GaugeMetricFamily("ingestd_worker_state", "1 for the worker's current state, 0 for the others.",
                                   labels=["worker", "state"])
+        paused = GaugeMetricFamily("ingestd_worker_paused", "1 for why the worker is paused (requested: a pause "
+                                   "command; budget: workers.total_frames reached), 0 for the other reasons.",
+                                   labels=["worker", "reason"])
         for index, rec in zip(indices.tolist(), recs):
             w = [str(index)]
             for key, value in self._worker_values(rec, current, now).items():
                 families[key].add_metric(w, value)
             for s in STATES:
                 state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
+            reason = int(rec["pause_reason"]) if int(rec["state"]) == State.PAUSED else PauseReason.NONE
+            for r in (PauseReason.REQUESTED, PauseReason.BUDGET):
+                paused.add_metric(w + [r.label], 1 if reason == r else 0)
             self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
-        return [*families.values(), state,
+        return [*families.values(), state, paused,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
                                   value=int(self.desired_workers())),
                 GaugeMetricFamily("ingestd_weights_version", "Version of the newest weights in the weight store "

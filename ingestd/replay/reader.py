@@ -38,7 +38,14 @@ class ReplayReader(MappedStore):
 
     One reader per thread: a reader keeps its own random state."""
 
-    def __init__(self, path: str | os.PathLike, seed: int | None = None):
+    def __init__(self, path: str | os.PathLike, seed: int | None = None, *, sampler: str = "uniform",
+                 alpha: float = 0.6, beta: float = 0.4, max_policy_lag: int | None = None,
+                 weights_path: str | os.PathLike | None = None, weights_version: Callable[[], int] | None = None,
+                 rate_limited: bool = True):
+        """``sampler``: "uniform" or "prioritized" (``alpha``, ``beta``); ``max_policy_lag``
+        (with ``weights_path`` or ``weights_version``) rejects rows collected by weights more than
+        that many versions old; ``rate_limited``: obey the storage's rate limiter. See
+        docs/sampling.md and :mod:`ingestd.replay.sampling`."""
         super().__init__(path, writable=False)
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
@@ -48,6 +55,14 @@ class ReplayReader(MappedStore):
         order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
         self._nodes = _plan_nodes(order)
         self._new_td = _td_factory()
+        from ingestd.replay.sampling import Sampling
+
+        try:
+            self._sampling = Sampling(self, sampler, alpha, beta, max_policy_lag, weights_path, weights_version,
+                                      rate_limited)
+        except BaseException:
+            super().close()
+            raise
 
     def _plan_groups(self) -> list[tuple[list, tuple, np.dtype, int, tuple]]:
         """Runs of leaves with equal dtype and shape lying side by side in the record, each as
@@ -78,6 +93,8 @@ class ReplayReader(MappedStore):
         With ``timeout`` (seconds) it waits for data and raises ``SampleTimeout``."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
+            return self._sampling.sample(batch_size, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             out = self._sample(batch_size)
@@ -180,7 +197,29 @@ class ReplayReader(MappedStore):
             built.append(new_td(node, batch))
         return built[-1]
 
+    # -- prioritized and sequence sampling, policy lag (ingestd.replay.sampling) ------------------
+    def update_priorities(self, index, priority, write_index=None) -> int:
+        """Set the priorities of sampled rows (pass the sample itself as ``index``, or slots and
+        ``write_index``); updates aimed at rows overwritten since are ignored. Returns how many
+        were applied."""
+        self._check_open()
+        return self._sampling.update_priorities(index, priority, write_index)
+
+    def sample_sequences(self, batch_size: int, length: int, cross_episodes: bool = False,
+                         timeout: float | None = None) -> TensorDict:
+        """``[batch_size, length]`` runs of consecutive steps of one (worker, env) trajectory."""
+        self._check_open()
+        return self._sampling.sample_sequences(batch_size, length, cross_episodes, timeout)
+
+    @property
+    def last_policy_lag(self) -> tuple[int, float, int] | None:
+        """``(min, mean, max)`` policy lag of the last sample (needs the weights version)."""
+        return self._sampling.last_lag
+
     def close(self) -> None:
+        sampling = getattr(self, "_sampling", None)
+        if sampling is not None:
+            sampling.close()
         self._columns = []
         super().close()
 

@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 
 from ingestd.errors import ClosedError, CorruptStorage, SchemaMismatch
 from ingestd.replay import files
+from ingestd.replay.priority import PriorityTree
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
 
 
@@ -124,6 +125,12 @@ class ReplayStorage(MappedStore):
             super().close()
             raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
         self._write_lock = threading.Lock()
+        try:  # new rows enter the prioritized-sampling tree at max priority (ingestd.replay.priority)
+            self._priorities = PriorityTree.attach(self.path, self.capacity, self.seq)
+        except BaseException:
+            os.close(self._lock_fd)
+            super().close()
+            raise
         self._expected = {k: (leaf.shape, leaf.dtype) for k, leaf in self.schema.items() if k != WRITE_INDEX}
         self._fields = {k: (a.dtype, self._layout.fields[k], a.shape[1:], a.strides[1:])
                         for k, a in self._arrays.items() if k in self._layout.fields}  # packing plan
@@ -250,6 +257,7 @@ class ReplayStorage(MappedStore):
                 raise
             finally:
                 self._release(index)
+        self._priorities.enter(index % self.capacity)
         return int(index[0])
 
     def _reserve(self, n: int) -> np.ndarray:
@@ -333,6 +341,7 @@ class ReplayStorage(MappedStore):
     def close(self) -> None:
         if not self._closed:
             os.close(self._lock_fd)
+            self._priorities.close()
         super().close()
 
 

@@ -202,6 +202,18 @@ class Float(Rule):
 
 
 @dataclass(frozen=True)
+class UnitInterval(Rule):
+    """A number in (0, 1] (a discount factor)."""
+
+    accepted = "a number in (0, 1]"
+
+    def check(self, key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise self.fail(key, value)
+        return float(value)
+
+
+@dataclass(frozen=True)
 class Bool(Rule):
     accepted = "true or false"
 
@@ -438,6 +450,26 @@ class WorkersConfig:
     restart_budget: int = setting(
         5, "Consecutive failed starts (deaths without writing a chunk since starting) before a worker is "
            "marked failed.", Int(1, 1_000_000), live=True)
+    # -- collector features (docs/collector-features.md; TorchRL names in docs/from-torchrl.md) --
+    init_random_frames: int = setting(
+        0, "Warm-up: until the replay's write_count reaches this, workers act with a uniform random policy "
+           "and stamp policy_version = -1 (TorchRL init_random_frames). 0 = no warm-up.", Int(0, 2**62))
+    max_episode_steps: int = setting(
+        0, "Truncate episodes at this many steps (truncated, not terminated; TorchRL max_frames_per_traj). "
+           "0 = no limit.", Int(0, 2**62))
+    total_frames: int = setting(
+        0, "Budget: once the replay's write_count reaches this, workers pause (reason budget) and the daemon "
+           "keeps serving (TorchRL total_frames). 0 = collect forever.", Int(0, 2**62))
+    n_step: int = setting(
+        1, "Store n-step transitions (TorchRL MultiStep): discounted n-step return in (next, reward), the "
+           "n-step-ahead next entries and steps_to_next_obs. 1 = plain transitions.", Int(1, 1024))
+    gamma: float = setting(0.99, "Discount of the n-step return (used when n_step > 1).", UnitInterval())
+    compile_policy: bool = setting(
+        False, "torch.compile the policy in each worker (TorchRL compile_policy); see the benchmark in "
+               "docs/collector-features.md before turning it on.", Bool())
+    enable_profile: bool = setting(
+        True, "Allow `ingestctl profile WORKER --seconds S` (a torch profiler trace of a worker's loop); "
+              "false refuses the command.", Bool())
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ingestd.collect.features import check_device
+from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env_and_policy
@@ -35,7 +37,10 @@ class Layout:
             index=index, replay_path=str(self.paths.replay), stats_path=str(self.paths.stats),
             weights_path=str(self.paths.weights), env=w.env, policy=w.policy, num_envs=w.num_envs,
             chunk_steps=w.chunk_steps, seed=self.config.service.seed, threads=worker_threads(w.threads, w.count),
-            device=w.device, env_kwargs=dict(w.env_kwargs), policy_kwargs=dict(w.policy_kwargs))
+            device=w.device, env_kwargs=dict(w.env_kwargs), policy_kwargs=dict(w.policy_kwargs),
+            init_random_frames=w.init_random_frames, max_episode_steps=w.max_episode_steps,
+            total_frames=w.total_frames, n_step=w.n_step, gamma=w.gamma, compile_policy=w.compile_policy,
+            enable_profile=w.enable_profile)
 
     def close(self) -> None:
         self.storage.close()
@@ -56,6 +61,7 @@ def build_layout(config, paths) -> Layout:
     """Create (or reopen) every shared object before any worker exists."""
     for directory in (paths.data_dir, paths.runtime_dir):
         Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
+    check_device(config.workers.device)
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
     example, policy = _example_rows(probe, config.service.seed)
     storage = ReplayStorage.open_or_create(paths.replay, example, config.replay.capacity, recover=True)
@@ -103,4 +109,6 @@ def _example_rows(spec: WorkerSpec, seed: int):
         rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0)
     finally:
         env.close()
+    if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
+        rows = schema_rows(rows, spec.n_step, spec.gamma)
     return rows, policy

@@ -1,0 +1,115 @@
+"""Worker profiling on command: ``ingestctl profile WORKER --seconds S``.
+
+The request travels through the worker's stats record, like every other
+order: the daemon writes ``profile_path`` and ``profile_seconds``, then bumps
+``profile_seq``. The worker polls between chunks; on a new ``profile_seq`` it
+starts a ``torch.profiler`` (CPU activities) and keeps collecting; once the
+seconds have passed it writes a Chrome trace to the path and sets
+``profile_done = profile_seq`` (``-profile_seq`` and an ``error: ...`` text in
+``profile_path`` if it could not). Each chunk is a ``ingestd.worker.chunk``
+range in the trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("ingestd.worker")
+
+PATH_BYTES = 256
+CHUNK_RANGE = "ingestd.worker.chunk"
+
+
+class ProfileRequests:
+    """The worker's side: polled once per loop iteration."""
+
+    def __init__(self, rec, worker: int):
+        self.rec, self.worker = rec, worker
+        rec["profile_done"] = rec["profile_seq"]  # a request left for a dead predecessor is not ours
+        self._profiler = None
+        self._until = 0.0
+        self._seq = 0
+        self._path = ""
+
+    @property
+    def active(self) -> bool:
+        return self._profiler is not None
+
+    def poll(self) -> None:
+        rec = self.rec
+        if self._profiler is None:
+            seq = int(rec["profile_seq"])
+            if seq != int(rec["profile_done"]):
+                self._start(seq, bytes(rec["profile_path"]).decode("utf-8", "replace"),
+                            float(rec["profile_seconds"]))
+        elif time.monotonic() >= self._until:
+            self.finish()
+
+    def chunk(self):
+        """A context marking one chunk in the trace (nothing while no profile runs)."""
+        if self._profiler is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.profiler.record_function(CHUNK_RANGE)
+
+    def _start(self, seq: int, path: str, seconds: float) -> None:
+        import torch
+
+        self._seq, self._path = seq, path
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.start()
+        except Exception as exc:  # a profile must never take the worker down
+            self._fail(f"could not start the profiler: {exc}")
+            return
+        self._profiler = profiler
+        self._until = time.monotonic() + seconds
+        log.info("worker %d: profiling for %.1f s into %s", self.worker, seconds, path)
+
+    def finish(self) -> None:
+        """Stop a running profile and write its trace (also called when the worker stops)."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        try:
+            profiler.stop()
+            tmp = f"{self._path}.tmp{os.getpid()}"
+            profiler.export_chrome_trace(tmp)
+            os.replace(tmp, self._path)
+        except Exception as exc:
+            self._fail(f"could not write the trace: {exc}")
+            return
+        log.info("worker %d: profile written to %s", self.worker, self._path)
+        self.rec["profile_done"] = self._seq
+
+    def _fail(self, message: str) -> None:
+        log.warning("worker %d: profile %d failed: %s", self.worker, self._seq, message)
+        self.rec["profile_path"] = f"error: {message}".encode("utf-8", "replace")[:PATH_BYTES]
+        self.rec["profile_done"] = -self._seq
+
+
+def request(rec, path: str | os.PathLike, seconds: float) -> int:
+    """The daemon's side: order a profile from the worker owning ``rec``; returns its sequence number."""
+    encoded = os.fsencode(path)
+    if len(encoded) >= PATH_BYTES:
+        raise ValueError(f"profile path {path} is longer than {PATH_BYTES - 1} bytes")
+    seq = max(int(rec["profile_seq"]), int(rec["profile_done"]), abs(int(rec["profile_done"]))) + 1
+    rec["profile_path"] = encoded
+    rec["profile_seconds"] = float(seconds)
+    rec["profile_seq"] = seq  # last: the worker reads path and seconds once it sees this
+    return seq
+
+
+def outcome(rec, seq: int) -> tuple[bool, str] | None:
+    """``(ok, path or error)`` once the worker answered request ``seq``, else ``None``."""
+    done = int(rec["profile_done"])
+    if done == seq:
+        return True, bytes(rec["profile_path"]).decode("utf-8", "replace")
+    if done == -seq:
+        return False, bytes(rec["profile_path"]).decode("utf-8", "replace")
+    return None

@@ -1,0 +1,277 @@
+"""The rate limiter (Reverb's sample-to-insert ratio), shared through ``limiter.bin``.
+
+::
+
+    <replay>/limiter.bin    32 int64/float64 words (see the W_* constants); changes under
+                            an flock on the file itself
+
+The limiter keeps ``error = (inserts - base_inserts) * samples_per_insert
+- (samples - base_samples) + offset`` inside ``[min_diff, max_diff]``, where
+``inserts`` is the storage's ``write_count`` and ``samples`` counts the rows
+every rate-limited reader has sampled.
+
+- A **worker** checks before each chunk: while ``inserts >= min_size`` and
+  ``error > max_diff`` it waits (its state stays ``running``; ``pause_reason``
+  = :data:`PAUSE_LIMITER`, ``limiter_waits`` / ``limiter_blocked_s`` count it,
+  and the heartbeat stays fresh). A pause or stop request ends the wait.
+- A **reader** checks before each sample: while the storage holds fewer than
+  ``min_size`` rows, or ``error < min_diff``, ``sample(timeout=...)`` waits and
+  raises ``SampleTimeout`` at the deadline; without a timeout it raises
+  :class:`RateLimited` at once.
+
+Both sides check the *current* error, so a chunk (or a batch) may overshoot
+the window by its own size; in exchange neither side can wait on the other
+while both are inside the window, whatever the chunk and batch sizes: as long
+as ``max_diff >= min_diff`` one side can always move. The window must be at
+least ``2 * max(1, samples_per_insert)`` wide (:func:`check_window`).
+
+Changing the parameters (config, ``ingestctl limiter``) re-anchors the error:
+the new limiter starts from the old error clamped into the new window (``0``
+when it was disabled), so history from before is not charged to either side.
+Readers add to ``samples`` under the flock; parameter words are written under
+it and read without it (a reader may see a change one call late).
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ingestd.errors import SampleTimeout
+
+FILE = "limiter.bin"
+WORDS = 32
+MAGIC = 0x4C494D49_0001  # "LIMI" + 1
+(W_MAGIC, W_ENABLED, W_MIN_SIZE, W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_SAMPLES, W_BASE_INSERTS, W_BASE_SAMPLES,
+ W_OFFSET, W_READER_BLOCKED_S, W_READER_WAITS, W_CHANGES, W_LAG_MIN, W_LAG_MEAN, W_LAG_MAX, W_LAG_AT) = range(17)
+_FLOATS = frozenset((W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_OFFSET, W_READER_BLOCKED_S, W_LAG_MEAN, W_LAG_AT))
+PAUSE_LIMITER = 1  # stats record ``pause_reason`` while the limiter holds a worker back
+_WORKER_POLL_S = 0.002
+
+
+class RateLimited(SampleTimeout):
+    """A non-blocking sample was refused by the rate limiter (the trainer is too far ahead)."""
+
+
+@dataclass(frozen=True)
+class LimiterParams:
+    enabled: bool = False
+    min_size: int = 0
+    samples_per_insert: float = 1.0
+    min_diff: float = -1e6
+    max_diff: float = 1e6
+
+
+def check_window(p: LimiterParams) -> None:
+    """Raise ``ValueError`` for parameters that cannot work (names the bad one)."""
+    if p.min_size < 0:
+        raise ValueError(f"min_size must be >= 0, got {p.min_size}")
+    if not (np.isfinite(p.samples_per_insert) and p.samples_per_insert > 0):
+        raise ValueError(f"samples_per_insert must be a finite number > 0, got {p.samples_per_insert}")
+    if not (np.isfinite(p.min_diff) and np.isfinite(p.max_diff)):
+        raise ValueError("min_diff and max_diff must be finite")
+    need = 2 * max(1.0, p.samples_per_insert)
+    if p.max_diff - p.min_diff < need:
+        raise ValueError(f"the window max_diff - min_diff = {p.max_diff - p.min_diff:g} is narrower than "
+                         f"2 * max(1, samples_per_insert) = {need:g}; widen it")
+
+
+class Limiter:
+    """One process's handle on ``limiter.bin``; ``inserts()`` gives the storage's write_count."""
+
+    def __init__(self, path: Path, inserts: Callable[[], int] | None = None):
+        self.path = Path(path)
+        self._fd = os.open(self.path / FILE, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(self._fd, 8 * WORDS, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._i = np.frombuffer(self._mm, dtype=np.int64)
+        self._f = np.frombuffer(self._mm, dtype=np.float64)
+        if self._i[W_MAGIC] != MAGIC:
+            self.close()
+            raise ValueError(f"{self.path / FILE} is not a limiter file")
+        self._inserts = inserts or _header_write_count(self.path)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike, inserts: Callable[[], int] | None = None) -> "Limiter":
+        """Open ``<path>/limiter.bin``, creating it (disabled) when missing."""
+        path = Path(path)
+        if not (path / FILE).exists():
+            tmp = path / f"{FILE}.{os.getpid()}.tmp"
+            words = np.zeros(WORDS, dtype=np.int64)
+            words[W_MAGIC] = MAGIC
+            f = words.view(np.float64)
+            d = LimiterParams()
+            words[W_MIN_SIZE] = d.min_size
+            f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
+            tmp.write_bytes(words.tobytes())
+            try:
+                os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return cls(path, inserts)
+
+    # -- parameters ----------------------------------------------------------------------
+    @property
+    def params(self) -> LimiterParams:
+        i, f = self._i, self._f
+        return LimiterParams(bool(i[W_ENABLED]), int(i[W_MIN_SIZE]), float(f[W_SPI]), float(f[W_MIN_DIFF]),
+                             float(f[W_MAX_DIFF]))
+
+    def configure(self, params: LimiterParams) -> LimiterParams:
+        """Apply new parameters (checked), re-anchoring the error; returns them."""
+        check_window(params)
+        with self._locked():
+            old_enabled, error = bool(self._i[W_ENABLED]), self.error()
+            start = min(max(error if old_enabled else 0.0, params.min_diff), params.max_diff)
+            i, f = self._i, self._f
+            i[W_ENABLED] = 0  # nobody acts on a half-written change
+            i[W_MIN_SIZE] = params.min_size
+            f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = params.samples_per_insert, params.min_diff, params.max_diff
+            i[W_BASE_INSERTS], i[W_BASE_SAMPLES] = self._inserts(), i[W_SAMPLES]
+            f[W_OFFSET] = start
+            i[W_CHANGES] += 1
+            i[W_ENABLED] = int(params.enabled)
+        return params
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return bool(self._i[W_ENABLED])
+
+    def error(self) -> float:
+        i, f = self._i, self._f
+        return float((self._inserts() - i[W_BASE_INSERTS]) * f[W_SPI] - (i[W_SAMPLES] - i[W_BASE_SAMPLES])
+                     + f[W_OFFSET])
+
+    @property
+    def samples(self) -> int:
+        return int(self._i[W_SAMPLES])
+
+    @property
+    def reader_blocked_s(self) -> float:
+        return float(self._f[W_READER_BLOCKED_S])
+
+    @property
+    def reader_waits(self) -> int:
+        return int(self._i[W_READER_WAITS])
+
+    def insert_blocked(self) -> str | None:
+        """Why a worker must wait before its next chunk, or None."""
+        if not self._i[W_ENABLED] or self._inserts() < self._i[W_MIN_SIZE]:
+            return None
+        error = self.error()
+        if error > self._f[W_MAX_DIFF]:
+            return f"workers are ahead: error {error:g} > max_diff {self._f[W_MAX_DIFF]:g}"
+        return None
+
+    def sample_blocked(self, rows: int) -> str | None:
+        """Why a reader must wait before sampling, or None."""
+        if not self._i[W_ENABLED]:
+            return None
+        if rows < self._i[W_MIN_SIZE]:
+            return f"the replay holds {rows} rows, fewer than the limiter's min_size {int(self._i[W_MIN_SIZE])}"
+        error = self.error()
+        if error < self._f[W_MIN_DIFF]:
+            return f"the trainer is ahead: error {error:g} < min_diff {self._f[W_MIN_DIFF]:g}"
+        return None
+
+    def count_samples(self, n: int) -> None:
+        with self._locked():
+            self._i[W_SAMPLES] += n
+
+    def add_reader_blocked(self, seconds: float) -> None:
+        with self._locked():
+            self._f[W_READER_BLOCKED_S] += seconds
+            self._i[W_READER_WAITS] += 1
+
+    def record_sampled_lag(self, lo: int, mean: float, hi: int) -> None:
+        """The policy lag of the latest sample any reader took (for the metrics; no lock)."""
+        self._i[W_LAG_MIN], self._f[W_LAG_MEAN], self._i[W_LAG_MAX] = lo, mean, hi
+        self._f[W_LAG_AT] = time.time()
+
+    def sampled_lag(self) -> tuple[int, float, int, float] | None:
+        """``(min, mean, max, unix time)`` of the latest recorded sample, or None."""
+        at = float(self._f[W_LAG_AT])
+        if at == 0:
+            return None
+        return int(self._i[W_LAG_MIN]), float(self._f[W_LAG_MEAN]), int(self._i[W_LAG_MAX]), at
+
+    def state(self) -> dict:
+        out = asdict(self.params)
+        out.update(inserts=int(self._inserts()), samples=self.samples, error=self.error(),
+                   reader_blocked_s=self.reader_blocked_s, reader_waits=self.reader_waits)
+        return out
+
+    def _locked(self):
+        return _Flock(self._fd)
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        self._i = self._f = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._mm = None
+        os.close(self._fd)
+
+
+class _Flock:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def _header_write_count(path: Path) -> Callable[[], int]:
+    """``write_count`` read straight from ``header.bin`` (for handles without a storage)."""
+    from ingestd.replay import files
+
+    fd = os.open(path / "header.bin", os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, 8 * files.HEADER_WORDS, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    words = np.frombuffer(mm, dtype=np.int64)
+    return lambda: int(words[files.H_WRITE_COUNT])
+
+
+# -- the worker side -------------------------------------------------------------------------
+def hold_worker(limiter: Limiter, rec, beat: Callable[[], None], keep_waiting: Callable[[], bool]) -> bool:
+    """Wait while the limiter holds this worker back (before a chunk). Returns whether it
+    waited. ``rec`` is the worker's stats record: ``pause_reason`` says why it waits,
+    ``limiter_waits`` / ``limiter_blocked_s`` count it (updated as it goes, so a worker held
+    for ever shows it in status and metrics); the heartbeat stays fresh."""
+    if limiter.insert_blocked() is None:
+        return False
+    rec["pause_reason"] = PAUSE_LIMITER
+    rec["limiter_waits"] += 1
+    last = time.monotonic()
+    try:
+        while keep_waiting() and limiter.insert_blocked() is not None:
+            beat()
+            time.sleep(_WORKER_POLL_S)
+            now = time.monotonic()
+            rec["limiter_blocked_s"] += now - last
+            last = now
+    finally:
+        rec["limiter_blocked_s"] += time.monotonic() - last
+        rec["pause_reason"] = 0
+    return True
+

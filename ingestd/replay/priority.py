@@ -1,0 +1,226 @@
+"""The shared priority tree for prioritized sampling (``priority.bin`` beside the storage).
+
+::
+
+    <replay>/priority.bin    int64/float64 words: magic, capacity, leaves, levels, max leaf (f64),
+                             reserved..., then the tree levels, leaves first
+    <replay>/priority.lock   flock target serialising every change to the tree
+
+The tree is a ``K``-ary sum tree (``K = 16``) of float64: level 0 holds one
+leaf per slot (padded with zeros to a power of ``K``), each level above holds
+the sums of ``K`` consecutive entries of the one below, the last level is the
+root (the total). Wide nodes keep the tree shallow: 1M slots is 5 levels, so a
+batch descends in 5 vectorised numpy steps and a change re-sums 5 short runs.
+
+A leaf holds ``(priority + eps) ** alpha`` (the reader that updates applies its
+``alpha``); ``0`` means "not sampleable" (never written). Parents are always
+recomputed from their children (never adjusted by differences), so float error
+cannot drift.
+
+Concurrency: every change (writers entering new rows, trainers updating
+priorities) takes ``priority.lock``. Sampling takes no lock: a descent racing
+a change may land on a stale leaf, and the reader validates every drawn row
+with the slot's seqlock as uniform sampling does (a zero or out-of-range leaf
+is re-drawn). Writers call :meth:`PriorityTree.enter` *after* committing a
+chunk; :meth:`PriorityTree.update` checks, under the same lock, that the slot
+still holds the write index the trainer sampled, so an update aimed at a row
+that has since been overwritten is dropped and the new row keeps the maximum
+priority it entered with.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+K = 16
+MAGIC = 0x5052494F_0001  # "PRIO" + 1
+HEADER_WORDS = 8
+H_MAGIC, H_CAPACITY, H_LEAVES, H_LEVELS, H_MAX = 0, 1, 2, 3, 4
+FILE, LOCK = "priority.bin", "priority.lock"
+DEFAULT_MAX = 1.0
+
+
+def tree_shape(capacity: int) -> tuple[int, list[int]]:
+    """``(leaves, level sizes from the leaves up to the root)`` for ``capacity`` slots."""
+    leaves = K
+    while leaves < capacity:
+        leaves *= K
+    sizes = [leaves]
+    while sizes[-1] > 1:
+        sizes.append(sizes[-1] // K)
+    return leaves, sizes
+
+
+def file_bytes(capacity: int) -> int:
+    return 8 * (HEADER_WORDS + sum(tree_shape(capacity)[1]))
+
+
+def _unique_sorted(idx: np.ndarray) -> np.ndarray:
+    if idx.size < 2:
+        return idx
+    return idx[np.concatenate(([True], idx[1:] != idx[:-1]))]
+
+
+class PriorityTree:
+    """A process's handle on ``priority.bin``. ``attach`` creates the file when missing."""
+
+    def __init__(self, path: Path, capacity: int):
+        self.path, self.capacity = Path(path), capacity
+        self.leaf_count, sizes = tree_shape(capacity)
+        fd = os.open(self.path / FILE, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != file_bytes(capacity):
+                raise ValueError(f"{self.path / FILE} has the wrong size for capacity {capacity}")
+            self._mm = mmap.mmap(fd, file_bytes(capacity), flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._header = np.frombuffer(self._mm, dtype=np.int64, count=HEADER_WORDS)
+        if self._header[H_MAGIC] != MAGIC or self._header[H_CAPACITY] != capacity:
+            raise ValueError(f"{self.path / FILE} does not belong to a storage of capacity {capacity}")
+        self._max = np.frombuffer(self._mm, dtype=np.float64, count=1, offset=8 * H_MAX)
+        self.levels: list[np.ndarray] = []
+        offset = 8 * HEADER_WORDS
+        for size in sizes:
+            self.levels.append(np.frombuffer(self._mm, dtype=np.float64, count=size, offset=offset))
+            offset += 8 * size
+        self._blocks = [level.reshape(-1, K) for level in self.levels[:-1]]  # level l as [parents, K]
+        self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def attach(cls, path: str | os.PathLike, capacity: int, seq: np.ndarray | None = None) -> "PriorityTree":
+        """Open ``<path>/priority.bin``, creating it if missing. A new tree gives every committed
+        slot (``seq`` even and non-zero) the default maximum priority, so reopening an older
+        storage makes its rows sampleable at once."""
+        path = Path(path)
+        if not (path / FILE).exists():
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not (path / FILE).exists():
+                    _create(path, capacity, seq)
+            finally:
+                os.close(fd)
+        return cls(path, capacity)
+
+    # -- changes (under the lock) ---------------------------------------------------------
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    @property
+    def max_leaf(self) -> float:
+        return float(self._max[0])
+
+    @property
+    def total(self) -> float:
+        return float(self.levels[-1][0])
+
+    def enter(self, slots: np.ndarray) -> None:
+        """New rows (just committed) enter at the current maximum priority."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return
+        with self.locked():
+            self.levels[0][slots] = self._max[0]
+            self._propagate(np.sort(slots) if slots.size > 1 and slots[0] > slots[-1] else slots)
+
+    def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
+               expected_seq: np.ndarray | None = None) -> int:
+        """Set leaf values; with ``seq``/``expected_seq`` only where the slot still holds the
+        sampled row (``seq[slot] == expected_seq``). Returns how many leaves were set."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        leaves = np.asarray(leaves, dtype=np.float64).reshape(-1)
+        if slots.size != leaves.size:
+            raise ValueError(f"{slots.size} indices but {leaves.size} priorities")
+        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
+            raise IndexError(f"slot indices must be in [0, {self.capacity})")
+        if not np.isfinite(leaves).all() or (leaves < 0).any():
+            raise ValueError("priorities must be finite and >= 0")
+        with self.locked():
+            if seq is not None:
+                keep = seq[slots] == expected_seq
+                slots, leaves = slots[keep], leaves[keep]
+            if slots.size == 0:
+                return 0
+            self.levels[0][slots] = leaves
+            top = float(leaves.max())
+            if top > self._max[0]:
+                self._max[0] = top
+            self._propagate(np.sort(slots))
+        return int(slots.size)
+
+    def clear(self, slots: np.ndarray) -> None:
+        """Make slots unsampleable (rows cleared by recovery)."""
+        slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))
+        if slots.size:
+            with self.locked():
+                self.levels[0][slots] = 0.0
+                self._propagate(slots)
+
+    def _propagate(self, idx: np.ndarray) -> None:
+        """Re-sum the ancestors of sorted leaf indices ``idx``, level by level."""
+        for lvl, block in enumerate(self._blocks):
+            idx = _unique_sorted(idx // K)
+            self.levels[lvl + 1][idx] = block[idx].sum(axis=1)
+
+    # -- sampling (no lock) -------------------------------------------------------------
+    def descend(self, u: np.ndarray) -> np.ndarray:
+        """The leaf whose prefix-sum interval holds each ``u`` (in ``[0, total)``)."""
+        n = u.size
+        idx = np.zeros(n, dtype=np.int64)
+        rows = np.arange(n)
+        u = u.copy()
+        for block in reversed(self._blocks):
+            sums = np.cumsum(block[idx], axis=1)
+            j = np.minimum((sums <= u[:, None]).sum(axis=1), K - 1)
+            u -= np.where(j > 0, sums[rows, j - 1], 0.0)
+            idx = idx * K + j
+        return idx
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        os.close(self._lock_fd)
+        self.levels = self._blocks = []
+        self._header = self._max = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._mm = None
+
+
+def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:
+    tmp = path / (FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        f.truncate(file_bytes(capacity))
+    tree = np.memmap(tmp, dtype=np.int64, mode="r+", shape=(file_bytes(capacity) // 8,))
+    tree[H_MAGIC], tree[H_CAPACITY] = MAGIC, capacity
+    _, sizes = tree_shape(capacity)
+    tree[H_LEAVES], tree[H_LEVELS] = sizes[0], len(sizes)
+    floats = tree.view(np.float64)
+    floats[H_MAX] = DEFAULT_MAX
+    if seq is not None:
+        committed = (seq > 0) & ((seq & 1) == 0)
+        offset = HEADER_WORDS
+        level = floats[offset:offset + sizes[0]]
+        level[:capacity] = np.where(committed, DEFAULT_MAX, 0.0)
+        for size in sizes[1:]:
+            offset += level.size
+            parent = floats[offset:offset + size]
+            parent[:] = level.reshape(-1, K).sum(axis=1)
+            level = parent
+    tree.flush()
+    del tree, floats
+    os.replace(tmp, path / FILE)

@@ -1,0 +1,295 @@
+"""What ``ReplayReader`` adds to uniform sampling: prioritized draws, a policy-lag filter,
+the rate limiter, and sequences (:mod:`ingestd.replay.sequences`).
+
+The reader keeps its lock-free hot path (draw slots, copy rows between two reads
+of their seqlocks, re-draw the bad ones); :class:`Sampling` only changes how slots
+are drawn and which copied rows are accepted:
+
+- ``sampler="prioritized"``: slots come from a descent of the shared sum tree
+  (:mod:`ingestd.replay.priority`); the sample gains ``("ingestd", "index")`` (the
+  slot) and ``("ingestd", "weight")`` (importance weight ``(N * P(i)) ** -beta``,
+  divided by the batch's largest so weights are in ``(0, 1]``);
+- ``max_policy_lag=k``: rows whose ``policy_version`` is below the current weights
+  version minus ``k`` are rejected and re-drawn (after a few rounds of rejection
+  the eligible slots are listed and drawn from directly);
+- the rate limiter (:mod:`ingestd.replay.limiter`) may hold ``sample`` back.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.replay.limiter import Limiter, RateLimited
+from ingestd.replay.priority import PriorityTree
+
+SAMPLERS = ("uniform", "prioritized")
+INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
+POLICY_VERSION = ("ingestd", "policy_version")
+_REJECT_ROUNDS = 32  # rounds of re-drawing rejected rows before listing the eligible slots
+_MAX_ROUNDS = 256
+_POLL_S = 0.002
+PRIORITY_EPS = 1e-6
+
+
+class Sampling:
+    """The sampling features of one reader (one per ``ReplayReader``; not shared by threads)."""
+
+    def __init__(self, reader, sampler: str = "uniform", alpha: float = 0.6, beta: float = 0.4,
+                 max_policy_lag: int | None = None, weights_path: str | os.PathLike | None = None,
+                 weights_version: Callable[[], int] | None = None, rate_limited: bool = True):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if not alpha >= 0 or not beta >= 0:
+            raise ValueError(f"alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
+        if max_policy_lag is not None and max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
+        self.reader, self.sampler, self.alpha, self.beta = reader, sampler, float(alpha), float(beta)
+        self.max_policy_lag = max_policy_lag
+        self._store = None
+        if weights_version is None and weights_path is not None:
+            from ingestd.weights.store import WeightStore
+
+            self._store = WeightStore.attach(weights_path)
+            weights_version = lambda: int(self._store.version)  # noqa: E731
+        if max_policy_lag is not None and weights_version is None:
+            raise ValueError("max_policy_lag needs the current weights version: pass weights_path= (the "
+                             "daemon's <runtime_dir>/weights) or weights_version=callable")
+        self.weights_version = weights_version
+        self.tree = PriorityTree.attach(reader.path, reader.capacity, reader.seq) if sampler == "prioritized" \
+            else None
+        self.limiter = _attach_limiter(reader) if rate_limited else None
+        self._sequences = None
+        layout = reader._layout
+        self._version_at = layout.fields.get(POLICY_VERSION)  # byte offset of the stamp in a record
+        self._record_bytes = layout.record_bytes
+        self.last_lag: tuple[int, float, int] | None = None  # (min, mean, max) of the last sample
+        self._min_version: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether ``sample`` must go through here (else the reader's plain uniform path)."""
+        return (self.tree is not None or self.weights_version is not None
+                or (self.limiter is not None and self.limiter.enabled))
+
+    # -- the public operations ---------------------------------------------------------------
+    def sample(self, n: int, timeout: float | None) -> TensorDict:
+        return self._blocking(lambda: self._sample(n), n, timeout)
+
+    def sample_sequences(self, batch: int, length: int, cross_episodes: bool, timeout: float | None) -> TensorDict:
+        if batch <= 0 or length <= 0:
+            raise ValueError(f"batch_size and length must be positive, got {batch}, {length}")
+        if self._sequences is None:
+            from ingestd.replay.sequences import SequenceSampler
+
+            self._sequences = SequenceSampler(self.reader)
+
+        def attempt():
+            out = self._sequences.sample(batch, length, cross_episodes)
+            if out is not None:
+                self._note_lag(out.get(POLICY_VERSION))
+            return out
+        return self._blocking(attempt, batch * length, timeout)
+
+    def _blocking(self, attempt: Callable[[], TensorDict | None], n: int, timeout: float | None) -> TensorDict:
+        """Run ``attempt`` once the limiter allows, until it returns rows or the deadline passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited_from = None
+        while True:
+            why = self.limiter.sample_blocked(len(self.reader)) if self.limiter is not None else None
+            if why is None:
+                out = attempt()
+                if out is not None:
+                    if waited_from is not None:
+                        self.limiter.add_reader_blocked(time.monotonic() - waited_from)
+                    if self.limiter is not None:
+                        self.limiter.count_samples(n)
+                    return out
+                why = self._empty_reason()
+            elif waited_from is None:
+                waited_from = time.monotonic()
+            if deadline is None:
+                if self.limiter is not None and waited_from is not None:
+                    raise RateLimited(f"replay {self.reader.path}: {why}; pass timeout= to wait")
+                raise EmptyReplay(f"replay {self.reader.path}: {why}; wait for the workers, or pass timeout= "
+                                  "to block")
+            if time.monotonic() >= deadline:
+                if waited_from is not None:
+                    self.limiter.add_reader_blocked(time.monotonic() - waited_from)
+                raise SampleTimeout(f"replay {self.reader.path}: {why} (waited {timeout} s)")
+            time.sleep(_POLL_S)
+
+    def _empty_reason(self) -> str:
+        if len(self.reader) == 0:
+            return "no committed rows yet"
+        if self.sampler == "prioritized" and self.tree.total <= 0:
+            return "every priority is 0"
+        if self._min_version is not None:
+            return f"no rows with policy_version >= {self._min_version} (max_policy_lag {self.max_policy_lag})"
+        return "no committed rows could be copied"
+
+    def update_priorities(self, index, priority, write_index=None) -> int:
+        """Set the priorities of sampled rows; returns how many were applied.
+
+        ``index`` is the sample itself (its ``("ingestd", "index")`` and ``("ingestd",
+        "write_index")`` are used) or the slot indices; ``write_index`` (from the sample)
+        makes the update skip slots overwritten since. Without it, only committed slots
+        are updated, whatever row they now hold."""
+        if self.tree is None:
+            raise RuntimeError("update_priorities needs ReplayReader(..., sampler='prioritized')")
+        if isinstance(index, TensorDictBase):
+            write_index = index.get(("ingestd", "write_index")) if write_index is None else write_index
+            index = index.get(INDEX)
+        slots = _numpy(index).astype(np.int64).reshape(-1)
+        prio = np.abs(_numpy(priority).astype(np.float64).reshape(-1))
+        if prio.size == 1 and slots.size > 1:
+            prio = np.full(slots.size, prio[0])
+        leaves = (prio + PRIORITY_EPS) ** self.alpha
+        seq = self.reader.seq
+        if write_index is not None:
+            expected = 2 * _numpy(write_index).astype(np.int64).reshape(-1) + 2
+        else:
+            bound = np.clip(slots, 0, self.reader.capacity - 1)
+            expected = seq[bound]
+            committed = (expected > 0) & ((expected & 1) == 0)
+            expected = np.where(committed, expected, -1)
+        return self.tree.update(slots, leaves, seq=seq, expected_seq=expected)
+
+    # -- drawing and accepting rows -------------------------------------------------------------
+    def _sample(self, n: int) -> TensorDict | None:
+        r = self.reader
+        filled = len(r)
+        if filled == 0:
+            return None
+        self._min_version = None
+        if self.max_policy_lag is not None:
+            self._min_version = self.weights_version() - self.max_policy_lag
+        if self.tree is None and self._min_version is None:
+            out = r._sample(n)
+            if out is not None:
+                self._note_lag(out.get(POLICY_VERSION))
+            return out
+        draw = self._draw_prioritized if self.tree is not None else (lambda m: r._draw(m, filled))
+        got = self._gather(n, draw, filled)
+        if got is None:
+            return None
+        records, columns, slots = got
+        out = r._assemble(records, columns, n)
+        if self.tree is not None:
+            self._add_priority_keys(out, slots, filled)
+        self._note_lag(out.get(POLICY_VERSION))
+        return out
+
+    def _gather(self, n: int, draw: Callable[[int], np.ndarray | None], filled: int):
+        """Copy ``n`` rows drawn by ``draw``, re-drawing those that were not committed, changed,
+        or are too old; ``(records, columns, slots)`` or ``None`` when no row qualifies."""
+        r = self.reader
+        slots = draw(n)
+        if slots is None:
+            return None
+        records, columns, bad = r._copy(slots)
+        bad = self._rejected(records, bad, n)
+        rounds = 0
+        while bad is not None:
+            rounds += 1
+            if rounds > _MAX_ROUNDS:
+                return None
+            if rounds == _REJECT_ROUNDS and self.tree is None:
+                eligible = self._eligible(filled)
+                if eligible.size == 0:
+                    return None
+                draw = lambda m: eligible[r._draw(m, eligible.size)]  # noqa: E731
+            fresh = draw(bad.size)
+            if fresh is None:
+                return None
+            sub_records, sub_columns, sub_bad = r._copy(fresh)
+            records[bad] = sub_records
+            slots[bad] = fresh
+            tbad = torch.from_numpy(bad)
+            for column, sub in zip(columns, sub_columns):
+                column[tbad] = sub
+            still = self._rejected(sub_records, sub_bad, bad.size)
+            bad = None if still is None else bad[still]
+        return records, columns, slots
+
+    def _rejected(self, records: np.ndarray, bad: np.ndarray | None, n: int) -> np.ndarray | None:
+        """Positions to re-draw: the seqlock's ``bad`` plus rows older than the lag allows."""
+        if self._min_version is None or self._version_at is None:
+            return bad
+        versions = np.ndarray((n,), np.int64, records, self._version_at, (self._record_bytes,))
+        old = np.flatnonzero(versions < self._min_version)
+        if old.size == 0:
+            return bad
+        return old if bad is None else np.union1d(bad, old)
+
+    def _eligible(self, filled: int) -> np.ndarray:
+        """Committed slots whose row is recent enough (a scan: the fallback when most are not)."""
+        r = self.reader
+        seq = r.seq[:filled]
+        ok = (seq > 0) & ((seq & 1) == 0)
+        if self._min_version is not None:
+            ok &= r._arrays[POLICY_VERSION][:filled] >= self._min_version
+        return np.flatnonzero(ok)
+
+    def _draw_prioritized(self, m: int) -> np.ndarray | None:
+        tree = self.tree
+        for _ in range(8):
+            total = tree.total
+            if total <= 0:
+                return None
+            slots = tree.descend(self.reader._rng.random(m) * total)
+            bad = (slots >= self.reader.capacity)
+            if not bad.any():
+                bad = tree.levels[0][slots] <= 0
+                if not bad.any():
+                    return slots
+            keep = slots[~bad]  # a descent raced a change: draw the few again
+            if keep.size == m:
+                return slots
+            more = tree.descend(self.reader._rng.random(m - keep.size) * total)
+            slots = np.concatenate((keep, more))
+            if (slots < self.reader.capacity).all() and (tree.levels[0][slots] > 0).all():
+                return slots
+        return None
+
+    def _add_priority_keys(self, out: TensorDict, slots: np.ndarray, filled: int) -> None:
+        tree = self.tree
+        total = tree.total
+        p = tree.levels[0][slots] / total if total > 0 else np.ones(slots.size)
+        p = np.maximum(p, np.finfo(np.float64).tiny)
+        w = (filled * p) ** -self.beta
+        w /= w.max()
+        out.set(INDEX, torch.from_numpy(slots.copy()))
+        out.set(WEIGHT, torch.from_numpy(w.astype(np.float32)))
+
+    def _note_lag(self, versions: torch.Tensor | None) -> None:
+        if versions is None or self.weights_version is None or versions.numel() == 0:
+            return
+        lag = self.weights_version() - versions
+        self.last_lag = (int(lag.min()), float(lag.double().mean()), int(lag.max()))
+        if self.limiter is not None:
+            self.limiter.record_sampled_lag(*self.last_lag)
+
+    def close(self) -> None:
+        for thing in (self.tree, self.limiter, self._store):
+            if thing is not None:
+                thing.close()
+        self.tree = self.limiter = self._store = None
+
+
+def _attach_limiter(reader) -> Limiter | None:
+    try:
+        return Limiter.attach(reader.path, inserts=lambda: reader.write_count)
+    except PermissionError:  # a read-only replay directory: nobody can have enabled a limiter in it
+        return None
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
