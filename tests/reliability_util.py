@@ -341,8 +341,9 @@ class Hygiene:
     def _processes(self) -> list[int]:
         marker = f"{SESSION_VARIABLE}={self.session}".encode()
         found = []
+        own = {self.pid, _resource_tracker_pid()}
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == self.pid:
+            if not entry.name.isdigit() or int(entry.name) in own:
                 continue
             try:
                 env = (entry / "environ").read_bytes()
@@ -364,6 +365,13 @@ class Hygiene:
                 if target.startswith("socket:["):
                     held.add(int(target[8:-1]))
         return held & set(_listening_inodes())
+
+
+def _resource_tracker_pid() -> int | None:
+    """This interpreter's multiprocessing resource tracker: it belongs to the interpreter (started
+    on first use of a multiprocessing semaphore or shared memory) and exits with it."""
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    return getattr(tracker, "_pid", None)
 
 
 def _entries(directory: Path) -> set[str]:

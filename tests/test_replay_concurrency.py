@@ -26,10 +26,14 @@ def ctx():
     # (Python 3.11's forkserver ignores sys.path, so replay_payload itself may not preload)
     context.set_forkserver_preload(["torch", "tensordict", "ingestd.replay", "replay_payload"])
     yield context
-    from multiprocessing import forkserver
-    stop = getattr(forkserver._forkserver, "_stop", None)  # the server outlives us otherwise
-    if stop is not None:
-        stop()
+    # the fork server and the resource tracker it started would outlive the session otherwise
+    import gc
+    from multiprocessing import forkserver, resource_tracker
+    gc.collect()  # finalise our queues' and events' semaphores while the tracker still runs
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 class Children:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -162,13 +163,47 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def compiled(policy):
-    """``torch.compile`` of a module policy's forward (the module itself keeps receiving weights)."""
+def compiled(policy, beat=None):
+    """``torch.compile`` of a module policy's forward (the module itself keeps receiving weights).
+
+    Compiling happens in the first call and can take a minute on a small CPU; ``beat()`` (the
+    worker's heartbeat) is called from a helper thread meanwhile so the supervisor does not
+    take the worker for hung."""
     if not isinstance(policy, torch.nn.Module):
         log.warning("workers.compile_policy: %s is not a torch.nn.Module; running it uncompiled",
                     type(policy).__name__)
         return policy
-    return torch.compile(policy, dynamic=False)
+    return KeepaliveFirstCall(torch.compile(policy, dynamic=False), beat)
+
+
+class KeepaliveFirstCall:
+    """Calls ``fn``; during the first call a thread calls ``beat()`` every ``every_s`` seconds."""
+
+    def __init__(self, fn, beat=None, every_s: float = 0.5):
+        self.fn, self.beat, self.every_s = fn, beat, every_s
+        self._first = True
+
+    def __call__(self, td):
+        if not self._first or self.beat is None:
+            return self.fn(td)
+        import threading
+
+        done = threading.Event()
+
+        def keepalive() -> None:
+            while not done.wait(self.every_s):
+                self.beat()
+
+        thread = threading.Thread(target=keepalive, name="ingestd-compile-keepalive", daemon=True)
+        thread.start()
+        t0 = time.perf_counter()
+        try:
+            return self.fn(td)
+        finally:
+            done.set()
+            thread.join()
+            self._first = False
+            log.info("compiled the policy in %.1f s", time.perf_counter() - t0)
 
 
 # -- the worker's view -------------------------------------------------------------------------
@@ -180,7 +215,8 @@ class ChunkExtras:
         from ingestd.collect.profiling import ProfileRequests
 
         self.env = StepLimit(env, spec.max_episode_steps) if spec.max_episode_steps > 0 else env
-        self.acting = compiled(policy) if spec.compile_policy else policy
+        self.acting = compiled(policy, lambda: rec.__setitem__("heartbeat", time.monotonic())) \
+            if spec.compile_policy else policy
         self.schedule = Schedule(spec.init_random_frames, spec.total_frames)
         self.random = random_policy(env.spec, seeds.policy ^ 0x5EED) if spec.init_random_frames > 0 else None
         self.nstep = NStep(spec.n_step, spec.gamma, env.num_envs) if spec.n_step > 1 else None

@@ -40,6 +40,7 @@ class PauseReason(enum.IntEnum):
     NONE = 0
     REQUESTED = 1  # a pause command
     BUDGET = 2  # workers.total_frames reached
+    LIMITER = 3  # held back by the rate limiter (state stays running; ingestd.replay.limiter)
 
     @property
     def label(self) -> str:

@@ -77,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--no-wait", action="store_true", help="reply once published, not once applied")
     cmd.add_argument("--wait", type=float, metavar="S")
     sub.add_parser("reload", help="re-read the daemon's config file (systemd ExecReload)")
+    cmd = sub.add_parser("limiter", help="show the replay rate limiter, or change it live")
+    cmd.add_argument("--spi", type=float, dest="samples_per_insert", help="samples per insert")
+    cmd.add_argument("--min-diff", type=float, dest="min_diff")
+    cmd.add_argument("--max-diff", type=float, dest="max_diff")
+    cmd.add_argument("--min-size", type=int, dest="min_size")
+    switch = cmd.add_mutually_exclusive_group()
+    switch.add_argument("--enable", dest="enabled", action="store_true", default=None)
+    switch.add_argument("--disable", dest="enabled", action="store_false")
     cmd = sub.add_parser("profile", help="record a torch profiler trace of worker W; prints the trace path")
     cmd.add_argument("worker", type=int, metavar="W")
     cmd.add_argument("--seconds", type=float, default=5.0, metavar="S", help="how long to record (5)")
@@ -263,6 +271,21 @@ def _profile(client, args, out: Output) -> int:
     return out.ok(done.to_json(), done.path)
 
 
+def _limiter(client, args, out: Output) -> int:
+    names = ("enabled", "min_size", "samples_per_insert", "min_diff", "max_diff")
+    changes = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    s = client.limiter(**changes)
+
+    def text() -> str:
+        lag = "-" if s.sampled_policy_lag is None else "/".join(f"{v:g}" for v in s.sampled_policy_lag)
+        return (f"limiter {'enabled' if s.enabled else 'disabled'}: samples_per_insert {s.samples_per_insert:g}, "
+                f"window [{s.min_diff:g}, {s.max_diff:g}], min_size {s.min_size}\n"
+                f"error {s.error:g} (inserts {s.inserts}, samples {s.samples}); workers held back: "
+                f"{_list(s.workers_blocked)} ({s.workers_blocked_s:.1f} s in total); readers waited "
+                f"{s.reader_blocked_s:.1f} s; sampled policy lag min/mean/max {lag}")
+    return out.ok(s.to_json(), text)
+
+
 def _reload(client, args, out: Output) -> int:
     r = client.reload()
     extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
@@ -314,7 +337,7 @@ def _keygen(args, out: Output) -> int:
 COMMANDS: dict[str, Callable[..., int]] = {
     "ping": _ping, "status": _status, "config": _config, "pause": _pause_resume, "resume": _pause_resume,
     "restart": _restart, "scale": _scale, "push-weights": _push, "reload": _reload, "events": _events,
-    "profile": _profile,
+    "profile": _profile, "limiter": _limiter,
 }
 
 

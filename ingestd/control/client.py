@@ -125,6 +125,13 @@ class ControlClient:
         collecting; returns once the worker wrote the Chrome trace (``.path``, on the daemon's host)."""
         return Profiled.from_json(self.call(Profile(worker=int(worker), seconds=float(seconds))))
 
+    def limiter(self, **changes: Any):
+        """The rate limiter's state; keyword arguments (``enabled``, ``min_size``,
+        ``samples_per_insert``, ``min_diff``, ``max_diff``) change it live first."""
+        from ingestd.control.commands import LimiterState, SetLimiter
+
+        return LimiterState.from_json(self.call(SetLimiter(**changes)))
+
     def reload(self) -> Reloaded:
         """Re-read the daemon's config file and apply what can change live."""
         return Reloaded.from_json(self.call(Reload(), extra_wait=self.ack_timeout))

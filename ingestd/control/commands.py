@@ -231,9 +231,31 @@ class Profile(Request):
         return self.seconds + PROFILE_EXPORT_S
 
 
+def _optional(check: Check) -> Check:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(name, "a finite number", value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SetLimiter(Request):
+    """Read the rate limiter, or change it live (only the arguments given; checked as a whole)."""
+
+    cmd: ClassVar[str] = "limiter"
+    enabled: bool | None = arg(None, _optional(_bool))
+    min_size: int | None = arg(None, _optional(_int(0, 2**62)))
+    samples_per_insert: float | None = arg(None, _optional(_number))
+    min_diff: float | None = arg(None, _optional(_number))
+    max_diff: float | None = arg(None, _optional(_number))
+
+
 COMMANDS: dict[str, type[Request]] = {
     cls.cmd: cls for cls in (Ping, GetStatus, GetConfig, Pause, Resume, Restart, Scale, PushWeights, Reload,
-                             Profile)
+                             Profile, SetLimiter)
 }
 
 
@@ -344,3 +366,22 @@ class Profiled(Result):
 class Reloaded(Result):
     applied: list[str]
     not_applied: list[str]  # changed keys that need a restart of the daemon
+
+
+@dataclass(frozen=True)
+class LimiterState(Result):
+    """The rate limiter's parameters and state (``error = inserts * spi - samples``, re-anchored on change)."""
+
+    enabled: bool
+    min_size: int
+    samples_per_insert: float
+    min_diff: float
+    max_diff: float
+    inserts: int
+    samples: int
+    error: float
+    reader_blocked_s: float  # total time readers waited on the limiter
+    reader_waits: int
+    workers_blocked: list[int]  # workers held back right now
+    workers_blocked_s: float  # total time workers were held back
+    sampled_policy_lag: list[float] | None  # [min, mean, max] of the latest sample a reader took

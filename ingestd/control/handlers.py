@@ -21,6 +21,7 @@ from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
+from ingestd.control.commands import LimiterState, SetLimiter
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
 from ingestd.errors import BadWeights, ConfigError
@@ -293,6 +294,31 @@ def profile(ctx: Context, request: Profile) -> dict:
     return Profiled(index, text, request.seconds).to_json()
 
 
+def limiter(ctx: Context, request: SetLimiter) -> dict:
+    """Report the rate limiter; with arguments, change it first (ingestd.replay.limiter)."""
+    import dataclasses
+
+    lim = ctx.daemon.layout.limiter
+    if lim is None:
+        raise RequestError(ErrorCode.UNAVAILABLE, "the rate limiter is not set up yet")
+    changes = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
+               if getattr(request, f.name) is not None}
+    if changes:
+        try:
+            lim.configure(dataclasses.replace(lim.params, **changes))
+        except ValueError as exc:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{exc}; the limiter was not changed") from None
+        ctx.publish("limiter.changed", **changes)
+    stats = ctx.daemon.layout.stats
+    blocked = [i for i in ctx.slots() if int(stats[i]["pause_reason"]) == PauseReason.LIMITER
+               and int(stats[i]["state"]) == State.RUNNING]
+    lag = lim.sampled_lag()
+    state = lim.state()
+    return LimiterState(**state, workers_blocked=blocked,
+                        workers_blocked_s=round(sum(float(stats[i]["limiter_blocked_s"]) for i in ctx.slots()), 6),
+                        sampled_policy_lag=list(lag[:3]) if lag else None).to_json()
+
+
 @dataclass(frozen=True)
 class Handler:
     run: Callable[[Context, Any], Any]
@@ -310,4 +336,5 @@ HANDLERS: dict[type[Request], Handler] = {
     PushWeights: Handler(push_weights, fast=False),
     Reload: Handler(reload, fast=False),
     Profile: Handler(profile, fast=False),
+    SetLimiter: Handler(limiter, fast=True),
 }

@@ -154,7 +154,7 @@ class IngestdCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         t0 = time.perf_counter()
         families: list[Metric] = []
-        for section, build in (("workers", self._workers), ("replay", self._replay),
+        for section, build in (("workers", self._workers), ("replay", self._replay), ("sampling", self._sampling),
                                ("control", self._control), ("service", self._service)):
             try:
                 families.extend(build())
@@ -163,7 +163,7 @@ class IngestdCollector(Collector):
                 log.exception("metrics: reading %s failed", section)
         errors = CounterMetricFamily("ingestd_scrape_errors", "Scrapes in which reading a section of the "
                                      "shared state failed (see the daemon log).", labels=["section"])
-        for section in ("workers", "replay", "control", "service"):
+        for section in ("workers", "replay", "sampling", "control", "service"):
             errors.add_metric([section], self._errors.get(section, 0))
         families.append(errors)
         families.append(GaugeMetricFamily("ingestd_scrape_duration_seconds",
@@ -235,6 +235,12 @@ class IngestdCollector(Collector):
                                   value=capacity),
                 CounterMetricFamily("ingestd_replay_writes", "Rows ever written to the replay storage "
                                     "(persists across daemon restarts).", value=writes)]
+
+    def _sampling(self) -> list[Metric]:
+        """Rate limiter and policy-lag families (ingestd.replay.sampling.sampling_metrics)."""
+        from ingestd.replay.sampling import sampling_metrics
+
+        return sampling_metrics(self.storage, self._weights_version(), self.stats)
 
     def _control(self) -> list[Metric]:
         requests = CounterMetricFamily("ingestd_control_requests", "Control requests answered, by command "

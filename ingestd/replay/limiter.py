@@ -51,7 +51,7 @@ MAGIC = 0x4C494D49_0001  # "LIMI" + 1
 (W_MAGIC, W_ENABLED, W_MIN_SIZE, W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_SAMPLES, W_BASE_INSERTS, W_BASE_SAMPLES,
  W_OFFSET, W_READER_BLOCKED_S, W_READER_WAITS, W_CHANGES, W_LAG_MIN, W_LAG_MEAN, W_LAG_MAX, W_LAG_AT) = range(17)
 _FLOATS = frozenset((W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_OFFSET, W_READER_BLOCKED_S, W_LAG_MEAN, W_LAG_AT))
-PAUSE_LIMITER = 1  # stats record ``pause_reason`` while the limiter holds a worker back
+PAUSE_LIMITER = 3  # stats record ``pause_reason`` while the limiter holds a worker back (PauseReason.LIMITER)
 _WORKER_POLL_S = 0.002
 
 
@@ -68,6 +68,12 @@ class LimiterParams:
     max_diff: float = 1e6
 
 
+def params_of(config) -> LimiterParams:
+    """The parameters of a ``[limiter]`` config section (or anything with those attributes)."""
+    return LimiterParams(bool(config.enabled), int(config.min_size), float(config.samples_per_insert),
+                         float(config.min_diff), float(config.max_diff))
+
+
 def check_window(p: LimiterParams) -> None:
     """Raise ``ValueError`` for parameters that cannot work (names the bad one)."""
     if p.min_size < 0:
@@ -80,6 +86,28 @@ def check_window(p: LimiterParams) -> None:
     if p.max_diff - p.min_diff < need:
         raise ValueError(f"the window max_diff - min_diff = {p.max_diff - p.min_diff:g} is narrower than "
                          f"2 * max(1, samples_per_insert) = {need:g}; widen it")
+
+
+def ensure_file(path: str | os.PathLike) -> None:
+    """Create ``<path>/limiter.bin`` (disabled) unless it exists (the storage does so when
+    opened for writing, so readers never create files)."""
+    path = Path(path)
+    if (path / FILE).exists():
+        return
+    tmp = path / f"{FILE}.{os.getpid()}.tmp"
+    words = np.zeros(WORDS, dtype=np.int64)
+    words[W_MAGIC] = MAGIC
+    f = words.view(np.float64)
+    d = LimiterParams()
+    words[W_MIN_SIZE] = d.min_size
+    f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
+    tmp.write_bytes(words.tobytes())
+    try:
+        os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
 
 
 class Limiter:
@@ -103,22 +131,7 @@ class Limiter:
     @classmethod
     def attach(cls, path: str | os.PathLike, inserts: Callable[[], int] | None = None) -> "Limiter":
         """Open ``<path>/limiter.bin``, creating it (disabled) when missing."""
-        path = Path(path)
-        if not (path / FILE).exists():
-            tmp = path / f"{FILE}.{os.getpid()}.tmp"
-            words = np.zeros(WORDS, dtype=np.int64)
-            words[W_MAGIC] = MAGIC
-            f = words.view(np.float64)
-            d = LimiterParams()
-            words[W_MIN_SIZE] = d.min_size
-            f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
-            tmp.write_bytes(words.tobytes())
-            try:
-                os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+        ensure_file(path)
         return cls(path, inserts)
 
     # -- parameters ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ingestd.errors import EmptyReplay, SampleTimeout
-from ingestd.replay.limiter import Limiter, RateLimited
+from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
 
 SAMPLERS = ("uniform", "prioritized")
@@ -283,9 +283,12 @@ class Sampling:
 
 
 def _attach_limiter(reader) -> Limiter | None:
+    """The storage's limiter (made by the storage when opened for writing), if there is one."""
+    if not (reader.path / LIMITER_FILE).exists():
+        return None
     try:
-        return Limiter.attach(reader.path, inserts=lambda: reader.write_count)
-    except PermissionError:  # a read-only replay directory: nobody can have enabled a limiter in it
+        return Limiter(reader.path, inserts=lambda: reader.write_count)
+    except PermissionError:  # no write access: this reader cannot take part in rate limiting
         return None
 
 
@@ -293,3 +296,63 @@ def _numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+# -- metrics (read by the daemon's Prometheus collector at scrape time) ---------------------------
+_LAG_SUBSAMPLE = 4096
+_limiters: dict = {}
+
+
+def stored_lag(store, current: int, n: int = _LAG_SUBSAMPLE, rng=None) -> tuple[int, float, int] | None:
+    """``(min, mean, max)`` policy lag of the stored rows, from ``n`` committed slots drawn at
+    random (a cheap estimate of min and max; exact when the storage holds at most ``n`` rows)."""
+    filled = len(store)
+    if filled == 0:
+        return None
+    rng = rng or np.random.default_rng()
+    slots = np.arange(filled) if filled <= n else rng.integers(0, filled, n)
+    seq = store.seq[slots]
+    versions = store._arrays[POLICY_VERSION][slots][(seq > 0) & ((seq & 1) == 0)]
+    if versions.size == 0:
+        return None
+    lag = current - versions
+    return int(lag.min()), float(lag.mean()), int(lag.max())
+
+
+def sampling_metrics(storage, current: int, stats) -> list:
+    """The limiter's and the policy lag's metric families."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from ingestd.collect.stats import PauseReason, State
+
+    lim = _limiters.get(storage.path)
+    if lim is None and (storage.path / LIMITER_FILE).exists():
+        lim = _limiters[storage.path] = Limiter(storage.path, inserts=lambda: storage.write_count)
+    out = []
+    stored = GaugeMetricFamily("ingestd_replay_policy_lag_versions", "Policy lag (current weights version minus "
+                               "the row's policy_version) of stored rows, from a random subsample of "
+                               f"{_LAG_SUBSAMPLE} at scrape time.", labels=["stat"])
+    for stat, value in zip(("min", "mean", "max"), stored_lag(storage, current) or ()):
+        stored.add_metric([stat], value)
+    sampled = GaugeMetricFamily("ingestd_sampled_policy_lag_versions", "Policy lag of the latest batch a "
+                                "trainer sampled (readers that know the weights version report it).",
+                                labels=["stat"])
+    if lim is not None and (lag := lim.sampled_lag()) is not None:
+        for stat, value in zip(("min", "mean", "max"), lag[:3]):
+            sampled.add_metric([stat], value)
+    out += [stored, sampled]
+    if lim is None:
+        return out
+    recs = stats.records
+    held = int(((recs["pause_reason"] == PauseReason.LIMITER) & (recs["state"] == State.RUNNING)).sum())
+    out += [
+        GaugeMetricFamily("ingestd_limiter_enabled", "1 while the rate limiter is enabled.", value=int(lim.enabled)),
+        GaugeMetricFamily("ingestd_limiter_error", "Rate limiter error: inserts * samples_per_insert - samples "
+                          "(re-anchored on every change); kept within [min_diff, max_diff].", value=lim.error()),
+        CounterMetricFamily("ingestd_limiter_samples", "Rows sampled by rate-limited readers.", value=lim.samples),
+        CounterMetricFamily("ingestd_limiter_reader_blocked_seconds", "Time readers waited on the rate limiter.",
+                            value=lim.reader_blocked_s),
+        GaugeMetricFamily("ingestd_limiter_workers_blocked", "Workers the rate limiter is holding back now.",
+                          value=held),
+    ]
+    return out

@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 
 from ingestd.errors import ClosedError, CorruptStorage, SchemaMismatch
 from ingestd.replay import files
+from ingestd.replay import limiter
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
 
@@ -127,6 +128,7 @@ class ReplayStorage(MappedStore):
         self._write_lock = threading.Lock()
         try:  # new rows enter the prioritized-sampling tree at max priority (ingestd.replay.priority)
             self._priorities = PriorityTree.attach(self.path, self.capacity, self.seq)
+            limiter.ensure_file(self.path)  # the rate limiter's shared words (ingestd.replay.limiter)
         except BaseException:
             os.close(self._lock_fd)
             super().close()
@@ -231,6 +233,8 @@ class ReplayStorage(MappedStore):
                     if not files.slots_locked(self._lock_fd, slot, 1):
                         self.seq[slot] = 0
                         cleared += 1
+        if cleared:
+            self._priorities.clear(np.flatnonzero(self.seq == 0))
         return cleared
 
     def next_incarnation(self) -> int:

@@ -76,7 +76,17 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     config = Config(**sections)
     _check_workers(config)
     _check_control(config.control)
+    _check_limiter(config.limiter)
     return config
+
+
+def _check_limiter(c) -> None:
+    from ingestd.replay.limiter import check_window, params_of
+
+    try:
+        check_window(params_of(c))
+    except ValueError as exc:
+        raise ConfigError("limiter.max_diff", str(exc)) from None
 
 
 def _section_from_dict(name: str, cls: type, raw: Any) -> Any:

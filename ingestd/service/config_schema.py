@@ -214,6 +214,18 @@ class UnitInterval(Rule):
 
 
 @dataclass(frozen=True)
+class Number(Rule):
+    """Any finite number (integers are accepted and converted)."""
+
+    accepted = "a finite number"
+
+    def check(self, key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
+        return float(value)
+
+
+@dataclass(frozen=True)
 class Bool(Rule):
     accepted = "true or false"
 
@@ -503,6 +515,23 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class LimiterConfig:
+    """The replay rate limiter (Reverb semantics, docs/sampling.md): it keeps
+    error = inserts * samples_per_insert - samples within [min_diff, max_diff]."""
+
+    enabled: bool = setting(False, "Hold workers back when they are too far ahead of the trainers, and "
+                                   "trainers when they are too far ahead of the workers.", Bool(), live=True)
+    min_size: int = setting(1000, "Trainers wait until the replay holds this many rows; workers are never "
+                                  "held back before it.", Int(0, 2**62), live=True)
+    samples_per_insert: float = setting(1.0, "Target ratio of rows sampled to rows inserted.",
+                                        Float(0.0, "samples per insert"), live=True)
+    min_diff: float = setting(-100000.0, "Trainers wait while the error is below this.", Number(), live=True)
+    max_diff: float = setting(100000.0, "Workers wait (at chunk boundaries) while the error is above this; "
+                                        "max_diff - min_diff must be at least 2 * max(1, samples_per_insert).",
+                              Number(), live=True)
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole effective configuration: one frozen section per TOML table."""
 
@@ -511,6 +540,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    limiter: LimiterConfig = field(default_factory=LimiterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dicts/lists, shaped like the TOML document (``config_from_dict`` reads it back)."""
@@ -520,7 +550,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "service": ServiceConfig, "replay": ReplayConfig, "workers": WorkersConfig,
-    "control": ControlConfig, "metrics": MetricsConfig,
+    "control": ControlConfig, "metrics": MetricsConfig, "limiter": LimiterConfig,
 }
 
 

@@ -171,6 +171,10 @@ class Daemon:
             logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
         if "workers.count" in applied:
             self.supervisor.scale(new.workers.count)
+        if any(key.startswith("limiter.") for key in applied) and self.layout.limiter is not None:
+            from ingestd.replay.limiter import params_of
+
+            self.layout.limiter.configure(params_of(new.limiter))
         self.config = _with_live(self.config, new, applied)
         self.layout.config = self.config
         self.supervisor.policy = restart_policy(self.config.workers)

@@ -30,6 +30,7 @@ class Layout:
     weights: object | None  # ingestd.weights.store.WeightStore
     manifest: object | None  # ingestd.weights.wire.Manifest
     policy: torch.nn.Module | None  # the daemon's copy, for validating pushes
+    limiter: object | None = None  # ingestd.replay.limiter.Limiter, set from [limiter]
 
     def worker_spec(self, index: int) -> WorkerSpec:
         w = self.config.workers
@@ -43,6 +44,8 @@ class Layout:
             enable_profile=w.enable_profile)
 
     def close(self) -> None:
+        if self.limiter is not None:
+            self.limiter.close()
         self.storage.close()
         self.stats.close()
         if self.weights is not None:
@@ -80,7 +83,11 @@ def build_layout(config, paths) -> Layout:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
              storage.write_count)
-    return Layout(config, paths, storage, stats, weights, manifest, policy)
+    from ingestd.replay.limiter import Limiter, params_of
+
+    limiter = Limiter.attach(paths.replay, inserts=lambda: storage.write_count)
+    limiter.configure(params_of(config.limiter))
+    return Layout(config, paths, storage, stats, weights, manifest, policy, limiter)
 
 
 def _previous_weights(path, manifest, initial: dict) -> tuple[int, dict]:

@@ -1,0 +1,346 @@
+"""Collector features from TorchRL (issue 9): warm-up, seeding, episode limits, budget, n-step,
+devices, threads, profiling. See docs/collector-features.md.
+
+Unit tests check the rules on in-process rollouts; each feature also runs in the real daemon
+(short runs: a frame budget makes the workers stop by themselves)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from daemon_proc import DaemonProc
+from ingestd.collect.envs.checksum import Checksum, episode_hash, episode_shape, mix64, reward_of
+from ingestd.collect.features import (
+    WARMUP_VERSION, Schedule, StepLimit, check_device, component_seeds, seeded_policy_kwargs,
+)
+from ingestd.collect.interfaces import EnvContext
+from ingestd.collect.nstep import STEPS_KEY, NStep
+from ingestd.collect.policies import MLP, Random
+from ingestd.collect.rollout import Rollout
+from ingestd.collect.stats import StatsBlock
+from ingestd.control.client import ControlClient
+from ingestd.errors import ConfigError
+from ingestd.replay import ReplayReader
+from ingestd.service.config import load_config
+from ingestd.service.layout import worker_threads
+
+CHUNK = 8 * 8  # DaemonProc's num_envs * chunk_steps
+
+
+def stored_rows(path):
+    """Every committed row, in write order."""
+    with ReplayReader(path) as reader:
+        seq = np.array(reader.seq)
+        rows = reader.gather(np.flatnonzero((seq > 0) & (seq % 2 == 0)))
+    return rows[torch.argsort(rows["ingestd", "write_index"])]
+
+
+def wait_status(client: ControlClient, predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.status()
+        if predicate(status):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}: {status}")
+
+
+def budget_spent(status) -> bool:
+    return bool(status.workers) and all(w.state == "paused" and w.pause_reason == "budget" for w in status.workers)
+
+
+def checksum_stamps(rows):
+    w, i, e, s = (rows["ingestd", f].reshape(-1) for f in ("worker", "env", "episode", "step"))
+    length, terminates = episode_shape(episode_hash(w, i, e))
+    return w, i, e, s, length, terminates
+
+
+# -- n-step: against a reference computed by hand on the Checksum env -----------------------------
+def nstep_reference(w, i, e, s, n: int, gamma: float) -> dict:
+    """What the n-step row of Checksum step ``s`` of episode ``e`` must hold (pure Python)."""
+    h = episode_hash(torch.tensor(w), torch.tensor(i), torch.tensor(e))
+    length, terminates = (int(x) for x in episode_shape(h))
+    m = min(n, length - s)
+    ret = sum(gamma ** k * float(reward_of(mix64(h + s + k))) for k in range(m))
+    end = s + m == length
+    return {"steps": m, "reward": ret, "next_obs": [w, i, e, s + m], "done": end,
+            "terminated": end and bool(terminates), "truncated": end and not bool(terminates)}
+
+
+@pytest.mark.parametrize("n, chunk_steps", [(3, 2), (3, 5), (5, 8), (2, 1)])
+def test_nstep_rows_match_a_hand_computed_reference_across_chunk_boundaries(n, chunk_steps):
+    gamma, num_envs = 0.5, 3
+    env = Checksum(EnvContext(num_envs=num_envs, seed=0, worker=1, episode_base=7 << 32))
+    rollout = Rollout(env, Random(env.spec, seed=0), 1, 7 << 32, chunk_steps)
+    transform, plain, out = NStep(n, gamma, num_envs), [], []
+    for _ in range(12):
+        rows, _ = rollout.chunk(3)
+        plain.append(rows.clone())
+        out.append(transform(rows))
+    held = transform.held_steps
+    assert held == n - 1
+    flushed = transform.flush()
+    assert out[0].batch_size[0] == max(0, chunk_steps - (n - 1)) * num_envs  # rows come n-1 steps late
+    stored = torch.cat([*out, flushed])
+    assert stored.batch_size[0] == 12 * chunk_steps * num_envs  # nothing lost, nothing doubled
+    plain = torch.cat(plain)
+    for key in ("observation", "action", ("ingestd", "step"), ("ingestd", "episode"), ("ingestd", "env")):
+        assert torch.equal(stored[key], plain[key]), key  # root entries are those of step t, in order
+    tail = stored.batch_size[0] - flushed.batch_size[0]
+    for r in range(stored.batch_size[0]):
+        w, i, e, s = (int(stored[("ingestd", f)][r]) for f in ("worker", "env", "episode", "step"))
+        ref = nstep_reference(w, i, e, s, n, gamma)
+        steps = int(stored[STEPS_KEY][r, 0])
+        if r >= tail:  # flushed at stop: the window is as long as the steps collected
+            assert 1 <= steps <= ref["steps"]
+            ref = nstep_reference(w, i, e, s, steps, gamma) if steps < ref["steps"] else ref
+        assert steps == ref["steps"], r
+        assert float(stored["next", "reward"][r, 0]) == pytest.approx(ref["reward"], abs=1e-5)
+        assert stored["next", "observation"][r].tolist() == ref["next_obs"]
+        for flag in ("done", "terminated", "truncated"):
+            assert bool(stored["next", flag][r, 0]) == ref[flag], (r, flag)
+        assert int(stored["next", "checksum"][r]) == int(mix64(episode_hash(
+            torch.tensor(w), torch.tensor(i), torch.tensor(e)) + s + steps))
+
+
+def test_nstep_windows_stop_at_episode_ends():
+    env = Checksum(EnvContext(num_envs=4, seed=0, worker=0, episode_base=0))
+    rollout, transform = Rollout(env, Random(env.spec, seed=0), 0, 0, 16), NStep(8, 0.9, 4)
+    rows = torch.cat([transform(rollout.chunk(1)[0]) for _ in range(6)])
+    same_episode = rows["next", "observation"][:, 2] == rows["observation"][:, 2]
+    assert bool(same_episode.all())  # never the observation of a later episode
+    short = rows[STEPS_KEY][:, 0] < 8
+    assert bool(rows["next", "done"][short].all())  # a window shorter than n ended its episode
+
+
+@pytest.mark.parametrize("n, gamma, error", [(0, 0.9, "n_step"), (3, 0.0, "gamma"), (3, 1.5, "gamma")])
+def test_nstep_rejects_bad_parameters(n, gamma, error):
+    with pytest.raises(ValueError, match=error):
+        NStep(n, gamma, 2)
+
+
+# -- unit rules -------------------------------------------------------------------------------------
+def test_step_limit_truncates_and_never_marks_terminated():
+    env = StepLimit(Checksum(EnvContext(num_envs=16, seed=0, worker=0, episode_base=0)), 4)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, 32)
+    rows, _ = rollout.chunk(1)
+    w, i, e, s, length, terminates = checksum_stamps(rows)
+    natural = s + 1 == length
+    assert int(s.max()) == 3
+    nxt = rows["next"]
+    assert torch.equal(nxt["done"][:, 0], natural | (s == 3))
+    assert torch.equal(nxt["terminated"][:, 0], natural & terminates)
+    assert torch.equal(nxt["truncated"][:, 0], (natural & ~terminates) | ((s == 3) & ~natural))
+    assert torch.equal(rows["observation"], torch.stack((w, i, e, s), 1))  # the env really reset
+
+
+def test_schedule_counts_the_replays_write_count():
+    schedule = Schedule(init_random_frames=100, total_frames=1000)
+    assert [schedule.warming_up(n) for n in (0, 99, 100)] == [True, True, False]
+    assert [schedule.spent(n) for n in (0, 999, 1000, 5000)] == [False, False, True, True]
+    assert not Schedule().spent(10**12) and not Schedule().warming_up(0)
+
+
+def test_component_seeds_are_distinct_and_stable():
+    from ingestd.collect.worker import derive_seed
+
+    seeds = [component_seeds(derive_seed(7, w, inc)) for w in range(4) for inc in range(1, 4)]
+    values = [v for s in seeds for v in (s.torch, s.env, s.policy)]
+    assert len(set(values)) == len(values)
+    assert component_seeds(derive_seed(7, 1, 2)) == component_seeds(derive_seed(7, 1, 2))
+    assert all(0 <= s.numpy < 2**32 for s in seeds)
+
+
+def test_policy_factories_taking_a_seed_get_the_workers_seed():
+    assert seeded_policy_kwargs(MLP, {"epsilon": 0.1}, 5) == {"epsilon": 0.1, "seed": 5}
+    assert seeded_policy_kwargs(Random, {"seed": 9}, 5) == {"seed": 9}  # the config wins
+    assert seeded_policy_kwargs(lambda spec, hidden=1: None, {}, 5) == {}
+
+
+@pytest.mark.parametrize("configured, workers, cores, expected", [
+    (0, 1, 2, 2), (0, 2, 2, 1), (0, 3, 2, 1), (0, 2, 8, 4), (3, 2, 2, 3)])
+def test_worker_threads_default_shares_out_the_cores(configured, workers, cores, expected):
+    assert worker_threads(configured, workers, cores) == expected
+
+
+def test_importing_ingestd_leaves_a_trainers_thread_count_alone():
+    code = ("import torch; torch.set_num_threads(3); import ingestd, ingestd.collect.worker, ingestd.collect.features, "
+            "ingestd.collect.nstep, ingestd.service.daemon, ingestd.service.layout, ingestd.control.client; "
+            "from ingestd import ReplayReader, ControlClient; print(torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "3"
+
+
+@pytest.mark.parametrize("text", ["workers.gamma=0", "workers.gamma=1.01", "workers.n_step=0",
+                                  "workers.total_frames=-1", "workers.init_random_frames=\"10\""])
+def test_config_rejects_bad_feature_values(text):
+    with pytest.raises(ConfigError, match=text.split("=")[0]):
+        load_config(None, [text])
+
+
+def test_cpu_device_passes_and_a_missing_cuda_is_a_config_error():
+    assert check_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert check_device("cuda").type == "cuda"
+        return
+    with pytest.raises(ConfigError, match="workers.device.*no usable CUDA"):
+        check_device("cuda:0")
+
+
+# -- the real daemon ------------------------------------------------------------------------------------
+def test_daemon_warmup_episode_limit_and_budget():
+    """Warm-up rows (policy_version -1) come first, episodes stop at max_episode_steps, and the
+    workers pause at the budget with the reason in status and metrics while the daemon serves on."""
+    warmup, budget, limit = 256, 1024, 5
+    overrides = {"workers.env": "Checksum", "workers.policy": "MLP", "workers.count": 2,
+                 "workers.init_random_frames": warmup, "workers.total_frames": budget,
+                 "workers.max_episode_steps": limit}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            wait_status(client, budget_spent, 30, "the budget pause")
+            written = client.status().replay.write_count
+            time.sleep(0.3)
+            status = client.status()  # still serving, and collecting nothing more
+            assert status.replay.write_count == written
+            assert budget <= written <= budget + 2 * CHUNK  # a worker finishes the chunk it started
+            assert client.resume().workers == [0, 1]  # acknowledged, but the budget keeps them paused
+            assert budget_spent(client.status())
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+        for w in (0, 1):
+            assert f'ingestd_worker_paused{{reason="budget",worker="{w}"}} 1.0' in metrics
+        with ReplayReader(d.replay_path) as reader:
+            assert reader.sample(16)["observation"].shape == (16, 4)
+        assert d.stop() == 0
+        rows = stored_rows(d.replay_path)
+    index, version = rows["ingestd", "write_index"], rows["ingestd", "policy_version"]
+    assert bool((version[index < warmup] == WARMUP_VERSION).all())
+    assert bool((index[version == WARMUP_VERSION] < warmup + 2 * CHUNK).all())
+    assert bool((version[index >= warmup + 2 * CHUNK] >= 1).all()) and int((version >= 1).sum()) > 0
+    w, i, e, s, length, terminates = checksum_stamps(rows)
+    natural, cut = s + 1 == length, (s == limit - 1) & (s + 1 != length)
+    assert int(s.max()) == limit - 1
+    assert torch.equal(rows["next", "done"][:, 0], natural | cut)
+    assert torch.equal(rows["next", "terminated"][:, 0], natural & terminates)
+    assert torch.equal(rows["next", "truncated"][:, 0], (natural & ~terminates) | cut)
+    assert torch.equal(rows["observation"], torch.stack((w, i, e, s), 1))
+
+
+def _seeded_run(seed: int, restart: bool = False):
+    overrides = {"workers.env": "CartPole", "workers.policy": "MLP", "workers.count": 1, "service.seed": seed,
+                 "workers.policy_kwargs": {"epsilon": 0.5}, "workers.total_frames": 8 * CHUNK}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            wait_status(client, budget_spent, 30, "the budget pause")
+            stats = StatsBlock(d.runtime_dir / "workers.stats")
+            seeds = [int(stats[0]["seed"])]
+            if restart:
+                client.restart([0])
+                seeds.append(int(stats[0]["seed"]))
+            stats.close()
+        assert d.stop() == 0
+        rows, log = stored_rows(d.replay_path), d.log()
+    return rows, seeds, log
+
+
+def test_one_worker_with_a_fixed_seed_stores_identical_data_twice():
+    first, seeds, log = _seeded_run(123, restart=True)
+    second, _, _ = _seeded_run(123)
+    assert first.batch_size[0] == 8 * CHUNK
+    keys = sorted(first.keys(include_nested=True, leaves_only=True), key=str)
+    assert keys == sorted(second.keys(include_nested=True, leaves_only=True), key=str)
+    for key in keys:  # every field, the write order included: one worker writes deterministically
+        assert torch.equal(first[key], second[key]), key
+    assert seeds[0] != seeds[1]  # a restarted worker gets a new seed, and says so
+    assert f"seed {seeds[0]}" in log and f"seed {seeds[1]}" in log
+
+
+def test_daemon_stores_nstep_rows_matching_the_reference():
+    n, gamma, num_envs = 3, 0.5, 8
+    overrides = {"workers.env": "Checksum", "workers.policy": "Random", "workers.count": 1,
+                 "workers.n_step": n, "workers.gamma": gamma, "workers.total_frames": 6 * CHUNK}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            collected = wait_status(client, budget_spent, 30, "the budget pause").workers[0].frames
+        assert d.stop() == 0
+        rows = stored_rows(d.replay_path)
+    assert rows.batch_size[0] == collected  # the first chunk n-1 steps short, the rest flushed at stop
+    flushed = rows.batch_size[0] - (n - 1) * num_envs
+    for r in range(rows.batch_size[0]):
+        w, i, e, s = (int(rows[("ingestd", f)][r]) for f in ("worker", "env", "episode", "step"))
+        steps = int(rows[STEPS_KEY][r, 0])
+        ref = nstep_reference(w, i, e, s, n, gamma)
+        if r >= flushed and steps < ref["steps"]:
+            ref = nstep_reference(w, i, e, s, steps, gamma)
+        assert steps == ref["steps"], r
+        assert float(rows["next", "reward"][r, 0]) == pytest.approx(ref["reward"], abs=1e-5)
+        assert rows["next", "observation"][r].tolist() == ref["next_obs"]
+        assert [bool(rows["next", f][r, 0]) for f in ("done", "terminated", "truncated")] == \
+            [ref["done"], ref["terminated"], ref["truncated"]]
+
+
+def test_profile_command_writes_a_chrome_trace_while_the_worker_collects():
+    overrides = {"workers.count": 1, "workers.threads": 2}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready()
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            assert int(stats[0]["threads"]) == 2  # workers.threads, set in the worker
+            pid, before = int(stats[0]["pid"]), int(stats[0]["frames"])
+            env = {**os.environ, "INGESTD_CONTROL": d.control_address}
+            out = subprocess.run([sys.executable, "-m", "ingestd.control.cli", "--json", "profile", "0",
+                                  "--seconds", "1"], capture_output=True, text=True, timeout=60, env=env)
+            assert out.returncode == 0, out.stderr
+            path = json.loads(out.stdout)["result"]["path"]
+            assert int(stats[0]["frames"]) > before  # it kept collecting
+        finally:
+            stats.close()
+        with open(path) as f:
+            trace = json.load(f)
+        events = trace["traceEvents"]
+        chunks = [e for e in events if e.get("name") == "ingestd.worker.chunk"]
+        assert chunks and all(int(e["pid"]) == pid for e in chunks)
+        with ControlClient(d.control_address, timeout=5) as client:
+            from ingestd.errors import CommandFailed
+
+            with pytest.raises(CommandFailed) as info:
+                client.profile(7, 0.1)
+            assert info.value.code == "no_such_worker"
+        assert d.stop() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA; the CUDA run is tested instead")
+def test_daemon_refuses_cuda_without_a_gpu():
+    with DaemonProc(overrides={"workers.device": "cuda", "workers.count": 1}) as d:
+        assert d.proc.wait(60) == 78
+        assert "workers.device" in d.log() and "CUDA" in d.log()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host (CPU path tested)")
+def test_daemon_collects_with_the_policy_on_cuda():
+    with DaemonProc(overrides={"workers.device": "cuda", "workers.count": 1}) as d:
+        d.wait_ready(rows=4 * CHUNK)
+        assert d.stop() == 0
+        assert stored_rows(d.replay_path).batch_size[0] >= 4 * CHUNK
+
+
+def test_compiled_policy_keeps_the_heartbeat_during_its_first_call():
+    from ingestd.collect.features import KeepaliveFirstCall
+
+    beats = []
+    slow = KeepaliveFirstCall(lambda td: time.sleep(0.35) or td, beat=lambda: beats.append(1), every_s=0.05)
+    assert slow("td") == "td"
+    assert len(beats) >= 3  # the supervisor would otherwise see a silent worker while torch compiles
+    beats.clear()
+    slow("td")
+    assert not beats

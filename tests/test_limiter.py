@@ -1,0 +1,164 @@
+"""The rate limiter: each side blocking and unblocking, live changes, window checks, and an
+end-to-end daemon whose trainer stops (the workers wait visibly, and resume)."""
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from sampling_rows import rows
+
+from ingestd.collect.stats import PauseReason, StatsBlock
+from ingestd.errors import SampleTimeout
+from ingestd.replay import ReplayReader, ReplayStorage
+from ingestd.replay.limiter import Limiter, LimiterParams, RateLimited, check_window, hold_worker
+
+
+def store_with(path, n=100, capacity=10_000):
+    store = ReplayStorage.create(path, rows(1), capacity)
+    if n:
+        store.write(rows(n))
+    return store
+
+
+def test_window_must_be_wide_enough():
+    check_window(LimiterParams(True, 0, 1.0, -1.0, 1.0))
+    with pytest.raises(ValueError, match="narrower"):
+        check_window(LimiterParams(True, 0, 4.0, 0.0, 7.9))
+    with pytest.raises(ValueError, match="samples_per_insert"):
+        check_window(LimiterParams(True, 0, 0.0, -10.0, 10.0))
+
+
+def test_reader_blocks_while_the_trainer_is_ahead_and_unblocks_on_inserts(shm_dir):
+    with store_with(shm_dir / "r", n=100) as store, ReplayReader(store.path, seed=0) as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, min_size=50, samples_per_insert=1.0, min_diff=0.0, max_diff=200.0))
+        assert lim.error() == 0
+        r.sample(10)  # error 0 >= min_diff: allowed, and now -10
+        assert lim.samples == 10 and lim.error() == -10
+        with pytest.raises(RateLimited, match="trainer is ahead"):
+            r.sample(10)
+        t0 = time.monotonic()
+        with pytest.raises(SampleTimeout):
+            r.sample(10, timeout=0.1)
+        assert time.monotonic() - t0 >= 0.1 and lim.reader_blocked_s >= 0.1
+        threading.Timer(0.2, lambda: store.write(rows(20))).start()
+        t0 = time.monotonic()
+        assert r.sample(10, timeout=5).batch_size == (10,)
+        assert time.monotonic() - t0 >= 0.15
+        lim.close()
+
+
+def test_min_size_holds_readers_but_never_workers(shm_dir):
+    with store_with(shm_dir / "r", n=30) as store, ReplayReader(store.path) as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, min_size=100, samples_per_insert=1.0, min_diff=-10.0, max_diff=-5.0))
+        assert lim.insert_blocked() is None  # below min_size, even with error > max_diff
+        with pytest.raises(RateLimited, match="min_size"):
+            r.sample(1)
+        store.write(rows(80))
+        assert lim.insert_blocked() is not None
+        lim.close()
+
+
+def test_worker_waits_visibly_and_a_sample_or_a_live_change_releases_it(shm_dir):
+    stats = StatsBlock(shm_dir / "stats", create=True)
+    rec = stats[0]
+    with store_with(shm_dir / "r", n=100) as store, ReplayReader(store.path) as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, min_size=0, samples_per_insert=1.0, min_diff=-100.0, max_diff=10.0))
+        store.write(rows(50))  # error 50 > max_diff 10
+        beats = []
+        result = {}
+        hold = threading.Thread(target=lambda: result.setdefault(
+            "waited", hold_worker(lim, rec, lambda: beats.append(time.monotonic()), lambda: True)))
+        hold.start()
+        time.sleep(0.2)
+        assert hold.is_alive() and rec["pause_reason"] == PauseReason.LIMITER and rec["limiter_waits"] == 1
+        assert rec["limiter_blocked_s"] >= 0.1 and len(beats) > 10  # visible while it lasts
+        r.sample(45)  # error 5 <= max_diff: released
+        hold.join(5)
+        assert not hold.is_alive() and result["waited"] and rec["pause_reason"] == 0
+        # a live change takes effect at once
+        store.write(rows(100))
+        assert lim.insert_blocked() is not None
+        hold = threading.Thread(target=hold_worker, args=(lim, rec, lambda: None, lambda: True))
+        hold.start()
+        time.sleep(0.05)
+        lim.configure(LimiterParams(True, 0, 1.0, -100.0, 1000.0))
+        hold.join(5)
+        assert not hold.is_alive() and rec["limiter_waits"] == 2
+        # and a pause/stop request ends the wait
+        lim.configure(LimiterParams(True, 0, 1.0, -10.0, -5.0))
+        store.write(rows(10))
+        stop = threading.Event()
+        hold = threading.Thread(target=hold_worker, args=(lim, rec, lambda: None, lambda: not stop.is_set()))
+        hold.start()
+        stop.set()
+        hold.join(5)
+        assert not hold.is_alive()
+        lim.close()
+    stats.close()
+
+
+def test_changes_re_anchor_the_error(shm_dir):
+    with store_with(shm_dir / "r", n=1000) as store:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, 0, 2.0, -50.0, 50.0))
+        assert lim.error() == 0  # history from before the limiter is not charged
+        store.write(rows(10))
+        assert lim.error() == 20
+        lim.configure(LimiterParams(True, 0, 2.0, -5.0, 5.0))
+        assert lim.error() == 5  # clamped into the new window
+        lim.close()
+
+
+# -- end to end: the trainer stops ----------------------------------------------------------------
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+              or line.startswith(name + "{")]
+    return sum(values)
+
+
+def test_daemon_workers_wait_for_a_stopped_trainer_visibly_and_resume(tmp_path):
+    from daemon_proc import DaemonProc
+
+    from ingestd.control.client import ControlClient
+
+    overrides = {"workers.count": 2, "limiter.enabled": True, "limiter.min_size": 0,
+                 "limiter.samples_per_insert": 1.0, "limiter.min_diff": -500.0, "limiter.max_diff": 300.0}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            deadline = time.monotonic() + 20
+            while not client.limiter().workers_blocked and time.monotonic() < deadline:
+                time.sleep(0.05)
+            state = client.limiter()
+            assert state.enabled and state.workers_blocked and state.error > 300
+            assert state.error <= 300 + 2 * 64  # overshoot: at most one chunk per worker
+            time.sleep(0.3)
+            assert _metric(d.metrics_port, "ingestd_limiter_workers_blocked") >= 1
+            assert _metric(d.metrics_port, "ingestd_limiter_blocked_seconds_total") > 0.2
+            frames = sum(w.frames for w in client.status().workers)
+            time.sleep(0.3)
+            assert sum(w.frames for w in client.status().workers) == frames  # held back, not dead
+            assert all(w.state == "running" for w in client.status().workers)
+            # a trainer comes back: workers move again
+            with ReplayReader(d.replay_path) as r:
+                r.sample(int(state.error) + 100, timeout=5)
+            deadline = time.monotonic() + 10
+            while sum(w.frames for w in client.status().workers) == frames and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sum(w.frames for w in client.status().workers) > frames
+            # a live change through the control socket, and a bad one refused
+            from ingestd.errors import CommandFailed
+
+            with pytest.raises(CommandFailed, match="narrower"):
+                client.limiter(min_diff=0.0, max_diff=1.0)
+            assert not client.limiter(enabled=False).enabled
+            frames = sum(w.frames for w in client.status().workers)
+            time.sleep(0.3)
+            assert sum(w.frames for w in client.status().workers) > frames
+            assert not client.limiter().workers_blocked

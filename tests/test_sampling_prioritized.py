@@ -1,0 +1,156 @@
+"""Prioritized sampling: the shared sum tree, its statistics (chi-square over many draws),
+max-priority entry of new rows, stale updates, importance weights, and a multi-process
+stress test (two writers and a trainer updating priorities at once)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+import torch
+from sampling_rows import rows
+from scipy import stats
+
+from ingestd.replay import ReplayReader, ReplayStorage
+from ingestd.replay.priority import K, PriorityTree
+
+
+def make(path, capacity=64, n=64) -> ReplayStorage:
+    store = ReplayStorage.create(path, rows(1), capacity)
+    if n:
+        store.write(rows(n))
+    return store
+
+
+def tree_consistent(tree: PriorityTree) -> bool:
+    return all(np.allclose(tree.levels[l + 1], tree.levels[l].reshape(-1, K).sum(1), rtol=1e-12, atol=1e-9)
+               for l in range(len(tree.levels) - 1))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_frequencies_match_priorities_chi_square(shm_dir, alpha):
+    with make(shm_dir / "r") as store, ReplayReader(store.path, seed=7, sampler="prioritized", alpha=alpha) as r:
+        slots = np.arange(64)
+        prio = np.random.default_rng(0).uniform(0.1, 10.0, 64)
+        assert r.update_priorities(slots, prio, write_index=store.seq[slots] // 2 - 1) == 64
+        counts = np.zeros(64)
+        for _ in range(100):
+            s = r.sample(512)
+            np.add.at(counts, s["ingestd", "index"].numpy(), 1)
+            assert (s["ingestd", "write_index"].numpy() % 64 == s["ingestd", "index"].numpy()).all()
+        expected = (prio + 1e-6) ** alpha
+        expected = expected / expected.sum() * counts.sum()
+        _, p_value = stats.chisquare(counts, expected)
+        assert p_value > 1e-3, p_value
+        # and the uniform hypothesis is clearly rejected
+        assert stats.chisquare(counts)[1] < 1e-6
+
+
+def test_new_rows_enter_at_max_priority_and_reset_overwritten_slots(shm_dir):
+    with make(shm_dir / "r", capacity=64, n=32) as store, \
+            ReplayReader(store.path, seed=1, sampler="prioritized", alpha=1.0) as r:
+        tree = r._sampling.tree
+        assert np.allclose(tree.levels[0][:32], 1.0) and not tree.levels[0][32:].any()
+        s = r.sample(16)
+        r.update_priorities(s, torch.full((16,), 9.0))
+        store.write(rows(40))  # 32 new slots, and 8 of the first ones overwritten
+        leaves = tree.levels[0]
+        assert np.allclose(leaves[32:64], 9.0) and np.allclose(leaves[:8], 9.0)
+        assert tree_consistent(tree)
+
+
+def test_update_for_an_overwritten_slot_is_ignored(shm_dir):
+    with make(shm_dir / "r", capacity=64, n=64) as store, \
+            ReplayReader(store.path, seed=2, sampler="prioritized", alpha=1.0) as r:
+        s = r.sample(32)
+        store.write(rows(64))  # every slot now holds a newer row
+        assert r.update_priorities(s, torch.full((32,), 50.0)) == 0
+        assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)
+        fresh = r.sample(32)
+        assert r.update_priorities(fresh, torch.full((32,), 50.0)) == 32
+
+
+def test_importance_weights(shm_dir):
+    with make(shm_dir / "r", capacity=16, n=16) as store, \
+            ReplayReader(store.path, seed=3, sampler="prioritized", alpha=1.0, beta=1.0) as r:
+        prio = np.ones(16)
+        prio[0] = 15.0  # P(0) = 1/2, P(others) = 1/30
+        r.update_priorities(np.arange(16), prio, write_index=np.arange(16))
+        s = r.sample(4096)
+        idx, w = s["ingestd", "index"].numpy(), s["ingestd", "weight"].numpy()
+        assert w.max() == pytest.approx(1.0)
+        # w ~ 1 / P: the rare rows weigh 1, the frequent one 1/15
+        assert np.allclose(w[idx == 0], 1 / 15, rtol=1e-4) and np.allclose(w[idx != 0], 1.0, rtol=1e-4)
+        assert 0.45 < (idx == 0).mean() < 0.55
+
+
+def test_existing_storage_gets_a_tree_with_its_committed_rows(shm_dir):
+    with make(shm_dir / "r", capacity=64, n=20) as store:
+        pass
+    (shm_dir / "r" / "priority.bin").unlink()
+    with ReplayReader(shm_dir / "r", seed=0, sampler="prioritized") as r:
+        assert np.allclose(r._sampling.tree.levels[0][:20], 1.0) and r._sampling.tree.total == pytest.approx(20)
+        assert set(r.sample(500)["ingestd", "index"].tolist()) == set(range(20))
+
+
+def test_bad_arguments(shm_dir):
+    with make(shm_dir / "r") as store:
+        with pytest.raises(ValueError, match="sampler"):
+            ReplayReader(store.path, sampler="rank")
+        with ReplayReader(store.path) as r, pytest.raises(RuntimeError, match="prioritized"):
+            r.update_priorities([0], [1.0])
+        with ReplayReader(store.path, sampler="prioritized") as r:
+            with pytest.raises(ValueError, match="finite"):
+                r._sampling.tree.update(np.array([0]), np.array([np.nan]))
+            with pytest.raises(IndexError):
+                r.update_priorities([64], [1.0], write_index=[0])
+
+
+# -- multi-process stress -----------------------------------------------------------------------
+def _writer(path, worker, stop):
+    with ReplayStorage.open(path) as store:
+        while not stop.value:
+            store.write(rows(37, start=worker * 1000))
+
+
+def _trainer(path, stop, out):
+    errors = updates = samples = 0
+    with ReplayReader(path, seed=5, sampler="prioritized", alpha=0.7) as r:
+        rng = np.random.default_rng(0)
+        while not stop.value:
+            s = r.sample(128)
+            samples += 1
+            wi, idx = s["ingestd", "write_index"].numpy(), s["ingestd", "index"].numpy()
+            errors += int((wi % r.capacity != idx).sum()) + int((s["ingestd", "weight"] <= 0).sum())
+            updates += r.update_priorities(s, rng.uniform(0.1, 5.0, 128))
+    out.put((errors, updates, samples))
+
+
+def test_stress_two_writers_and_a_trainer(shm_dir):
+    ctx = mp.get_context("fork")
+    with make(shm_dir / "r", capacity=512, n=512) as store:
+        path = str(store.path)
+    stop, out = ctx.Value("b", 0, lock=False), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(path, w, stop)) for w in range(2)]
+    procs.append(ctx.Process(target=_trainer, args=(path, stop, out)))
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(2.0)
+        stop.value = 1
+        errors, updates, samples = out.get(timeout=20)
+    finally:
+        stop.value = 1
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert errors == 0 and samples > 50 and updates > 0
+    with ReplayStorage.open(path) as store, ReplayReader(path, sampler="prioritized") as r:
+        tree = r._sampling.tree
+        assert tree_consistent(tree)
+        committed = (store.seq > 0) & (store.seq % 2 == 0)
+        assert committed.all() and (tree.levels[0][:512] > 0).all()
+        assert tree.max_leaf >= tree.levels[0].max() - 1e-12

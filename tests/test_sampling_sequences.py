@@ -1,0 +1,100 @@
+"""Sequence sampling on Checksum rows written by interleaved workers: every returned step is
+verified exactly, and each sequence is one trajectory of consecutive steps."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sampling_rows import checksum_rollouts, example_rows
+
+from ingestd.collect.envs import verify_rows
+from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.replay import ReplayReader, ReplayStorage
+
+S = ("ingestd",)
+
+
+def fill(path, capacity, chunks, workers=2, num_envs=4, chunk_steps=5, order=None):
+    rollouts = checksum_rollouts(workers, num_envs, chunk_steps)
+    store = ReplayStorage.create(path, example_rows(), capacity)
+    rng = np.random.default_rng(0)
+    for _ in range(chunks):  # workers write in a random order, as free-running workers do
+        w = int(rng.integers(workers)) if order is None else order
+        store.write(rollouts[w].chunk(0)[0])
+    return store
+
+
+def check_sequences(td, cross: bool):
+    b, length = td.batch_size
+    flat = td.reshape(-1)
+    assert verify_rows(flat).all()
+    g = lambda f: td.get(("ingestd", f))  # noqa: E731
+    worker, env, episode, step, wi = g("worker"), g("env"), g("episode"), g("step"), g("write_index")
+    assert (worker == worker[:, :1]).all() and (env == env[:, :1]).all()
+    assert (wi[:, 1:] > wi[:, :-1]).all()
+    done = td.get(("next", "done")).reshape(b, length)
+    cont = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
+    if cross:
+        cont |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
+    else:
+        assert not done[:, :-1].any()
+    assert cont.all()
+    # the observation chain: a step's next observation is the following step's observation
+    same_ep = episode[:, 1:] == episode[:, :-1]
+    obs, nxt = td.get("observation"), td.get(("next", "observation"))
+    assert (nxt[:, :-1][same_ep] == obs[:, 1:][same_ep]).all()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_sequences_are_exact_trajectories_across_chunks(shm_dir, cross):
+    with fill(shm_dir / "r", capacity=4000, chunks=150) as store, ReplayReader(store.path, seed=1) as r:
+        td = r.sample_sequences(64, 12, cross_episodes=cross)
+        assert td.batch_size == (64, 12)
+        check_sequences(td, cross)
+        # chunks are 5 steps: sequences of 12 cross chunk boundaries, between other workers' chunks
+        wi = td.get(("ingestd", "write_index"))
+        assert ((wi[:, 1:] - wi[:, :-1]) > 4).any()
+        if cross:
+            assert td.get(("next", "done"))[:, :-1].any()
+
+
+def test_wrapped_ring_and_overwritten_rows(shm_dir):
+    # capacity small enough that the ring has wrapped many times
+    with fill(shm_dir / "r", capacity=400, chunks=200) as store, ReplayReader(store.path, seed=2) as r:
+        for _ in range(5):
+            td = r.sample_sequences(32, 8)
+            check_sequences(td, False)
+            assert (td.get(("ingestd", "write_index")) >= store.write_count - store.capacity).all()
+
+
+def test_a_single_worker_and_one_env(shm_dir):
+    with fill(shm_dir / "r", capacity=1000, chunks=60, workers=1, num_envs=1, chunk_steps=7) as store, \
+            ReplayReader(store.path, seed=3) as r:
+        check_sequences(r.sample_sequences(16, 3), False)
+        check_sequences(r.sample_sequences(16, 20, cross_episodes=True), True)
+
+
+def test_never_a_slot_overwritten_mid_sequence(shm_dir):
+    with fill(shm_dir / "r", capacity=400, chunks=100) as store, ReplayReader(store.path, seed=4) as r:
+        real_copy = r._copy
+        rollouts = checksum_rollouts(2, 4, 5, seed=9)
+
+        def racing_copy(idx):  # a writer laps the ring between the search and the copy
+            store.write(rollouts[0].chunk(0)[0])
+            return real_copy(idx)
+        r._copy = racing_copy
+        td = r.sample_sequences(16, 6)
+        check_sequences(td, False)
+
+
+def test_too_long_or_empty(shm_dir):
+    with fill(shm_dir / "r", capacity=1000, chunks=20) as store, ReplayReader(store.path, seed=5) as r:
+        with pytest.raises(EmptyReplay):
+            r.sample_sequences(4, 41)  # Checksum episodes last at most 40 steps
+        with pytest.raises(SampleTimeout):
+            r.sample_sequences(4, 41, timeout=0.05)
+        with pytest.raises(ValueError):
+            r.sample_sequences(0, 3)
+    empty = ReplayStorage.create(shm_dir / "e", example_rows(), 100)
+    with empty, ReplayReader(empty.path) as r, pytest.raises(EmptyReplay):
+        r.sample_sequences(2, 2)
