@@ -67,6 +67,10 @@ class BadReply(IngestdError, ValueError):
     """The daemon's reply could not be understood (version skew or corruption)."""
 
 
+class DaemonAlreadyRunning(IngestdError, RuntimeError):
+    """Another daemon holds this runtime directory."""
+
+
 # -- collection ---------------------------------------------------------------
 class EnvFault(IngestdError, RuntimeError):
     """An env produced data that must not be stored (wrong shape, non-finite reward...)."""

@@ -169,3 +169,15 @@ def test_config_default_and_check(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(bad)],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 78 and "workers.count" in res.stderr
+
+
+def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
+    with DaemonProc(overrides={"workers.count": 1}) as first:
+        first.wait_ready(rows=100)
+        proc = subprocess.run(first.args(), capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 75, proc.stderr
+        assert "another ingestd daemon is running" in proc.stderr
+        with ReplayReader(first.replay_path) as reader:  # the first one is untouched and still writing
+            count = reader.write_count
+            wait_for(lambda: reader.write_count > count, 10, "the first daemon to keep writing")
+        assert first.stop() == 0

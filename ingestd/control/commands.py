@@ -303,6 +303,7 @@ class WorkerStatus(Result):
     heartbeat_age_s: float | None
     error: str
     pause_reason: str = ""  # while paused: "requested" (pause command) or "budget" (workers.total_frames)
+    recent_returns: list[float] = field(default_factory=list)  # last finished episodes, oldest first (<= 32)
 
 
 @dataclass(frozen=True)

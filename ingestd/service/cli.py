@@ -7,6 +7,7 @@ import os
 import sys
 
 EX_CONFIG = 78  # sysexits.h: configuration error
+EX_TEMPFAIL = 75  # sysexits.h: temporary failure (another daemon holds the runtime dir)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from ingestd.errors import ConfigError, SchemaMismatch
+    from ingestd.errors import ConfigError, DaemonAlreadyRunning, SchemaMismatch
     from ingestd.service import config as cfg
 
     try:
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SchemaMismatch) as exc:
         logging.getLogger("ingestd").error("cannot start: %s", exc)
         return EX_CONFIG
+    except DaemonAlreadyRunning as exc:
+        logging.getLogger("ingestd").error("cannot start: %s", exc)
+        return EX_TEMPFAIL
 
 
 def config_reference_markdown() -> str:

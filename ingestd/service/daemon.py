@@ -6,6 +6,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, Mapping
@@ -13,6 +14,7 @@ from typing import Callable, Mapping
 import torch
 
 from ingestd.collect.stats import Desired, State
+from ingestd.errors import DaemonAlreadyRunning
 from ingestd.service.layout import Layout, build_layout
 from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.supervisor import RestartPolicy, Supervisor
@@ -38,6 +40,7 @@ class Daemon:
         self.started_at = time.time()
         self.telemetry = Telemetry()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by submit() so commands do not wait out a tick
         self._stop_requested = False
         self._reload_requested = False
         self._listeners: list[Callable[..., None]] = []
@@ -50,6 +53,7 @@ class Daemon:
         """Run ``fn`` in the main thread at the next tick (for commands that fork or scale)."""
         future: Future = Future()
         self._calls.put((fn, future))
+        self._wake.set()
         return future
 
     def request_stop(self) -> None:
@@ -72,6 +76,7 @@ class Daemon:
         torch.set_num_threads(1)  # the daemon forks workers: keep OpenMP's pool unstarted here
         unset_environment(os.environ)  # the Notifier has read them; workers must not inherit them
         self._install_signals()
+        self._instance_lock = lock_runtime_dir(self.paths.runtime_dir)
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
@@ -104,7 +109,8 @@ class Daemon:
                 self.notifier.status(self.status_line())
                 next_status = now + STATUS_EVERY_S
             self.notifier.watchdog(now)
-            time.sleep(TICK_S)
+            self._wake.wait(TICK_S)
+            self._wake.clear()
 
     def _first_data(self, start_count: int) -> bool:
         if self.layout.storage.write_count > start_count:
@@ -195,6 +201,23 @@ class Daemon:
         storage = self.layout.storage
         return (f"{running}/{sup.count} workers running, {frames} frames, "
                 f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
+
+
+def lock_runtime_dir(runtime_dir) -> int:
+    """Hold an exclusive flock on ``<runtime_dir>/ingestd.lock`` for the daemon's lifetime, so a
+    second daemon on the same runtime dir refuses to start instead of clobbering the first."""
+    import fcntl
+    from pathlib import Path
+
+    Path(runtime_dir).mkdir(parents=True, exist_ok=True, mode=0o750)
+    fd = os.open(Path(runtime_dir) / "ingestd.lock", os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonAlreadyRunning(f"another ingestd daemon is running with runtime dir {runtime_dir}; "
+                                   "stop it first, or give this one its own service.runtime_dir") from None
+    return fd
 
 
 def restart_policy(workers) -> RestartPolicy:
