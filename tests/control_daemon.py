@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon_proc import DaemonProc
+from daemon_proc import DaemonProc, wait_for  # noqa: F401  (re-exported for the control tests)
 
 TESTS = str(Path(__file__).parent)
 PLUGIN_ENV = {"PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -86,14 +86,6 @@ def restore(client) -> None:
         client.resume()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def rows_between(replay_path, first: int, last: int):

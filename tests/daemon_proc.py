@@ -38,6 +38,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from daemon_proc import DaemonProc, pid_alive
+from daemon_proc import DaemonProc, pid_alive, wait_for
 from ingestd.collect.stats import State, StatsBlock
 from ingestd.replay import ReplayReader
 
@@ -20,14 +20,6 @@ TESTS = str(Path(__file__).parent)
 PLUGIN_ENV = {"PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def all_rows(path) -> "TensorDict":

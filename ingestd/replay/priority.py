@@ -44,6 +44,8 @@ HEADER_WORDS = 8
 H_MAGIC, H_CAPACITY, H_LEAVES, H_LEVELS, H_MAX = 0, 1, 2, 3, 4
 FILE, LOCK = "priority.bin", "priority.lock"
 DEFAULT_MAX = 1.0
+_STRICT = np.triu(np.ones((K, K)), 1)  # x @ _STRICT: exclusive prefix sums along the last axis
+assert K == 16  # descend() counts K booleans as two 64-bit words
 
 
 def tree_shape(capacity: int) -> tuple[int, list[int]]:
@@ -182,9 +184,12 @@ class PriorityTree:
         rows = np.arange(n)
         u = u.copy()
         for block in reversed(self._blocks):
-            sums = np.cumsum(block[idx], axis=1)
-            j = np.minimum((sums <= u[:, None]).sum(axis=1), K - 1)
-            u -= np.where(j > 0, sums[rows, j - 1], 0.0)
+            children = block[idx]  # [n, K]
+            before = children @ _STRICT  # the sum of the children left of each child
+            passed = (before + children) <= u[:, None]  # monotone: True for the children u lies beyond
+            counts = np.bitwise_count(passed.view(np.uint64))  # K bools = 2 words of 0/1 bytes
+            j = np.minimum(counts[:, 0] + counts[:, 1], K - 1)
+            u -= before[rows, j]
             idx = idx * K + j
         return idx
 
