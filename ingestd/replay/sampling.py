@@ -332,14 +332,14 @@ def sampling_metrics(storage, current: int, stats) -> list:
     stored = GaugeMetricFamily("ingestd_replay_policy_lag_versions", "Policy lag (current weights version minus "
                                "the row's policy_version) of stored rows, from a random subsample of "
                                f"{_LAG_SUBSAMPLE} at scrape time.", labels=["stat"])
-    for stat, value in zip(("min", "mean", "max"), stored_lag(storage, current) or ()):
-        stored.add_metric([stat], value)
+    for stat, value in zip(("min", "mean", "max"), stored_lag(storage, current) or (float("nan"),) * 3):
+        stored.add_metric([stat], value)  # NaN while the storage is empty
     sampled = GaugeMetricFamily("ingestd_sampled_policy_lag_versions", "Policy lag of the latest batch a "
                                 "trainer sampled (readers that know the weights version report it).",
                                 labels=["stat"])
-    if lim is not None and (lag := lim.sampled_lag()) is not None:
-        for stat, value in zip(("min", "mean", "max"), lag[:3]):
-            sampled.add_metric([stat], value)
+    lag = lim.sampled_lag() if lim is not None else None
+    for stat, value in zip(("min", "mean", "max"), lag[:3] if lag else (float("nan"),) * 3):
+        sampled.add_metric([stat], value)  # NaN until a reader reported
     out += [stored, sampled]
     if lim is None:
         return out
