@@ -15,21 +15,17 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from sampling_rows import checksum_rollouts  # noqa: E402,F401  (keeps the helper importable here)
-
-from ingestd.collect.envs import CartPole  # noqa: E402
-from ingestd.collect.interfaces import EnvContext  # noqa: E402
-from ingestd.collect.policies import Random  # noqa: E402
-from ingestd.collect.rollout import Rollout  # noqa: E402
-from ingestd.replay import ReplayReader, ReplayStorage  # noqa: E402
+from ingestd.collect.envs import CartPole
+from ingestd.collect.interfaces import EnvContext
+from ingestd.collect.policies import Random
+from ingestd.collect.rollout import Rollout
+from ingestd.replay import ReplayReader, ReplayStorage
 
 NUM_ENVS, CHUNK = 64, 16
 
@@ -91,7 +87,8 @@ def main() -> None:
                 results[f"sequences_{b}x16_per_s"] = round(rate(lambda: uni.sample_sequences(b, 16), args.seconds), 2)
             s = pri.sample(256)
             prio = np.random.default_rng(0).uniform(0.1, 2.0, 256)
-            results["update_priorities_256_per_s"] = round(rate(lambda: pri.update_priorities(s, prio), args.seconds), 1)
+            update = rate(lambda: pri.update_priorities(s, prio), args.seconds)
+            results["update_priorities_256_per_s"] = round(update, 1)
         results["writer_rows_per_s_during"] = round((store.write_count - w0) / (time.perf_counter() - t0))
         try:
             import torchrl  # noqa: F401

@@ -121,6 +121,13 @@ def alive(pid: int) -> bool:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds used so far by the threads of ``pid`` (children not included)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def tree_cpu(root: int | None = None) -> float:
     """CPU seconds used by ``root`` (default: this process) and its descendants, reaped ones
     included (through their parents' cutime/cstime)."""
@@ -476,16 +483,17 @@ def faulty_by_worker(ctx):
 # -- status load (run in client processes: ``python -m reliability_util load ...``) ------------
 def status_load(address: str, rate: float, start: float, window: float, rounds: int, out: str) -> None:
     """Open loop: ``rate`` status requests/s during the loaded windows
-    ``[start + (2k+1) * window, start + (2k+2) * window)``, k < ``rounds``; writes each request's
-    latency (send to decoded reply, seconds) and its lateness against the schedule to ``out``."""
+    ``[start + (2k+1) * window, start + (2k+2) * window)``, k < ``rounds``; saves to ``out`` (npz)
+    each request's latency (send to decoded reply, seconds), its lateness against the schedule,
+    and the CPU seconds this client spent in the loaded windows."""
     from ingestd.control.client import ControlClient
     from ingestd.control.commands import GetStatus
 
-    latency, late = [], []
+    latency, late, cpu = [], [], 0.0
     with ControlClient(address, timeout=5.0, retries=0) as client:
         for k in range(rounds):
             t0, t1 = start + (2 * k + 1) * window, start + (2 * k + 2) * window
-            n = 0
+            n, cpu0 = 0, time.process_time()
             while (due := t0 + n / rate) < t1:
                 now = time.monotonic()
                 if due > now:
@@ -495,7 +503,8 @@ def status_load(address: str, rate: float, start: float, window: float, rounds: 
                 latency.append(time.monotonic() - sent)
                 late.append(sent - due)
                 n += 1
-    np.save(out, np.array([latency, late], dtype=np.float64))
+            cpu += time.process_time() - cpu0
+    np.savez(out, latency=np.array(latency), late=np.array(late), cpu_s=np.array(cpu))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["load"]:

@@ -38,7 +38,7 @@ from ingestd.control.curve import keygen
 from ingestd.control.protocol import decode_reply, encode_header
 from ingestd.replay import ReplayReader
 from ingestd.weights.wire import encode
-from reliability_util import ExternalLoad, RssSeries, knob, percentiles, record, wait_for
+from reliability_util import ExternalLoad, RssSeries, knob, percentiles, process_cpu, record, wait_for
 from test_control_e2e import BAD_PUSHES, _good, _raw_push, _with_manifest
 from test_metrics import samples
 
@@ -368,7 +368,7 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
     status = client.status()
     pids = [daemon.proc.pid] + [w.pid for w in status.workers]
     start = time.monotonic() + 3.0  # the clients start meanwhile
-    outs = [tmp_path / f"client{i}.npy" for i in range(CLIENTS)]
+    outs = [tmp_path / f"client{i}.npz" for i in range(CLIENTS)]
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "reliability_util.py"), "load",
                                daemon.control_address, str(RATE / CLIENTS), str(start), str(WINDOW_S), str(rounds),
                                str(out)], env={**os.environ, **PLUGIN_ENV}) for out in outs]
@@ -385,11 +385,13 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
                 while (now := time.monotonic()) < edge:
                     rss.sample(pids)
                     time.sleep(min(0.25, max(0.0, edge - now)))
-                counts.append((reader.write_count, time.monotonic()))
+                counts.append((reader.write_count, time.monotonic(), process_cpu(daemon.proc.pid)))
             external = load.stop()
+        daemon_cpu = [0.0, 0.0]  # daemon CPU seconds in the idle and in the loaded windows
         for k in range(2 * rounds):
-            (c0, t0), (c1, t1) = counts[k], counts[k + 1]
+            (c0, t0, u0), (c1, t1, u1) = counts[k], counts[k + 1]
             (idle if k % 2 == 0 else loaded).append((c1 - c0) / (t1 - t0))
+            daemon_cpu[k % 2] += u1 - u0
         for proc in procs:
             assert proc.wait(30) == 0, "a load client failed"
     finally:
@@ -397,8 +399,10 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    latency = np.concatenate([np.load(out)[0] for out in outs])
-    late = np.concatenate([np.load(out)[1] for out in outs])
+    results = [np.load(out) for out in outs]
+    latency = np.concatenate([r["latency"] for r in results])
+    late = np.concatenate([r["late"] for r in results])
+    client_cpu = sum(float(r["cpu_s"]) for r in results)
     p50, p99, worst = percentiles(latency, 50, 99, 100)
     achieved = latency.size / (rounds * WINDOW_S)
     slowdown = 1 - float(np.median([b / a for a, b in zip(idle, loaded)]))  # adjacent idle/loaded pairs
@@ -410,7 +414,9 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
            p99_ms=round(1e3 * p99, 3), max_ms=round(1e3 * worst, 2),
            p99_behind_schedule_ms=round(1e3 * percentiles(late, 99)[0], 2),
            ingest_idle_rows_s=round(float(np.mean(idle))), ingest_loaded_rows_s=round(float(np.mean(loaded))),
-           slowdown_pct=round(100 * slowdown, 1), external_load_pct=round(100 * external))
+           slowdown_pct=round(100 * slowdown, 1), external_load_pct=round(100 * external),
+           daemon_cpu_us_per_request=round(1e6 * (daemon_cpu[1] - daemon_cpu[0]) / latency.size, 1),
+           client_cpu_us_per_request=round(1e6 * client_cpu / latency.size, 1))
     record("9 RSS soak", seconds=round(2 * rounds * WINDOW_S + 3), daemon_drift_pct=round(100 * drift[pids[0]], 2),
            worker_drift_pct=[round(100 * drift[p], 2) for p in pids[1:]],
            daemon_rss_anon_mib=round(rss.samples[pids[0]][-1][1] / 1024, 1),
