@@ -5,7 +5,11 @@ while a writer writes, and what that reader costs the writer. Prints JSON.
 
 Rows use TorchRL's layout with the ingestd stamps: CartPole (observation float32[4]) and
 4x84x84 uint8 pixels (observation and next observation). The storage lives in a temporary
-directory under /dev/shm, removed at the end. Rates are medians over ``--rounds`` windows.
+directory under /dev/shm, removed at the end. Every rate is a median over ``--rounds``
+windows and is given twice: per wall-clock second, and per CPU second of the measuring
+process (``process_time``). On a machine shared with other work the wall rates fall with
+the load; the CPU rates estimate what an otherwise idle machine would do (each of the
+writer and the reader on its own core), and still show memory-bandwidth interference.
 """
 from __future__ import annotations
 
@@ -21,19 +25,38 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from ingestd.replay import ReplayReader, ReplayStorage
-from ingestd.replay.layout import WRITE_INDEX
 
 KINDS = {  # capacity, rows per write, observation shape and dtype
     "cartpole": {"capacity": 1_000_000, "batch": 256, "obs": ((4,), torch.float32)},
     "pixels": {"capacity": 16_384, "batch": 64, "obs": ((4, 84, 84), torch.uint8)},
 }
 SAMPLE_SIZES = (256, 4096)
+
+
+class Rate(NamedTuple):
+    wall: float  # units per wall-clock second
+    cpu: float  # units per CPU second of this process
+
+
+def run(step: Callable[[], int], seconds: float | None = None, until: float | None = None) -> Rate:
+    """Call ``step`` (it returns the units it did) until ``seconds`` pass or ``time.monotonic()``
+    reaches ``until``."""
+    w0, c0, units = time.monotonic(), time.process_time(), 0
+    end = until if until is not None else w0 + seconds
+    while time.monotonic() < end:
+        units += step()
+    return Rate(units / (time.monotonic() - w0), units / max(time.process_time() - c0, 1e-9))
+
+
+def median(rates: list[Rate]) -> Rate:
+    return Rate(statistics.median(r.wall for r in rates), statistics.median(r.cpu for r in rates))
 
 
 def reuse_freed_memory() -> None:
@@ -56,25 +79,9 @@ def make_batch(kind: str, n: int) -> TensorDict:
                        "ingestd": stamps}, batch_size=[n])
 
 
-def payload_bytes(store: ReplayStorage) -> int:
-    return sum(leaf.row_bytes for leaf in store.schema.values())
-
-
-def median_rate(measure, rounds: int) -> float:
-    return statistics.median(measure() for _ in range(rounds))
-
-
-def write_rate(store: ReplayStorage, batch: TensorDict, seconds: float) -> float:
-    """Rows per second written in-process."""
-    n, rows, t0 = batch.batch_size[0], 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        store.write(batch)
-        rows += n
-    return rows / elapsed
-
-
-def memcpy_rate(workdir: str, nbytes: int, seconds: float) -> float:
-    """Bytes per second of a plain single-threaded memcpy of ``nbytes`` into a /dev/shm memmap."""
+def memcpy_step(workdir: str, nbytes: int):
+    """A step copying ``nbytes`` with one plain memcpy into a /dev/shm memmap (pages faulted
+    in, as the ring's are after its first lap), cycling over 256 MB; and its cleanup."""
     slots = max(4, (256 << 20) // nbytes)
     path = os.path.join(workdir, "memcpy.bin")
     with open(path, "wb") as f:
@@ -82,48 +89,38 @@ def memcpy_rate(workdir: str, nbytes: int, seconds: float) -> float:
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), slots * nbytes)
     dst = np.frombuffer(mm, dtype=np.uint8).reshape(slots, nbytes)
-    dst[:] = 1  # fault the pages in, as the ring's are after its first lap
+    dst[:] = 1
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    copies, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        np.copyto(dst[copies % slots], src)
-        copies += 1
-    del dst
-    mm.close()
-    os.unlink(path)
-    return copies * nbytes / elapsed
+    count = [0]
 
+    def step() -> int:
+        np.copyto(dst[count[0] % slots], src)
+        count[0] += 1
+        return nbytes
 
-def sample_rate(reader: ReplayReader, n: int, seconds: float) -> float:
-    calls, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        reader.sample(n)
-        calls += 1
-    return calls / elapsed
+    def cleanup() -> None:
+        nonlocal dst
+        del dst
+        mm.close()
+        os.unlink(path)
+    return step, cleanup
 
 
 # -- child processes ----------------------------------------------------------------------
-def _wait(start_at: float) -> None:
-    while time.monotonic() < start_at:
-        time.sleep(0.0005)
-
-
 def writer_child(path: str, kind: str, threads: int, malloc_reuse: bool, ready, plan, out) -> None:
     torch.set_num_threads(threads)
     if malloc_reuse:
         reuse_freed_memory()
     batch = make_batch(kind, KINDS[kind]["batch"])
+    n = batch.batch_size[0]
     with ReplayStorage.open(path) as store:
-        for _ in range(store.capacity // batch.batch_size[0] + 1):  # map every page of the ring
+        for _ in range(store.capacity // n + 1):  # map every page of the ring
             store.write(batch)
         ready.put("writer")
         for start, stop, _ in plan.get():
-            _wait(start)
-            rows = 0
-            while time.monotonic() < stop:
-                store.write(batch)
-                rows += batch.batch_size[0]
-            out.put(("writer", start, rows / (time.monotonic() - start)))
+            while time.monotonic() < start:
+                time.sleep(0.0005)
+            out.put(("writer", start, run(lambda: store.write(batch) * 0 + n, until=stop)))
 
 
 def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) -> None:
@@ -134,19 +131,16 @@ def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) 
         for start in range(0, reader.capacity, 4096):  # map every page of the ring
             reader.gather(np.arange(start, min(start + 4096, reader.capacity)))
         ready.put("reader")
-        for start, stop, n in plan.get():
-            if n is None:
+        for start, stop, size in plan.get():
+            if size is None:
                 continue
-            _wait(start)
-            calls = 0
-            while time.monotonic() < stop:
-                reader.sample(n)
-                calls += 1
-            out.put(("reader", start, calls / (time.monotonic() - start)))
+            while time.monotonic() < start:
+                time.sleep(0.0005)
+            out.put(("reader", start, run(lambda: reader.sample(size) is not None, until=stop)))
 
 
 def concurrent(ctx, path: str, kind: str, args) -> dict:
-    """Windows in turn: writer alone, writer + reader sampling 256, alone, + reader 4096, ..."""
+    """Windows in turn: writer alone, writer + reader sampling 256, + reader sampling 4096, ..."""
     ready, out, plans = ctx.Queue(), ctx.Queue(), [ctx.Queue(), ctx.Queue()]
     procs = [ctx.Process(target=writer_child, args=(path, kind, args.writer_threads, args.malloc_reuse,
                                                     ready, plans[0], out)),
@@ -156,34 +150,34 @@ def concurrent(ctx, path: str, kind: str, args) -> dict:
         p.start()
     try:
         for _ in procs:
-            ready.get(timeout=120)
+            ready.get(timeout=300)
         t0, span = time.monotonic() + 0.5, args.seconds + 0.3
-        plan = []  # (start, stop, sample size or None for the writer alone)
+        plan = []  # (start, stop, sample size, or None: the writer alone)
         for _ in range(args.rounds):
-            for n in (None, *SAMPLE_SIZES):
+            for size in (None, *SAMPLE_SIZES):
                 start = t0 + len(plan) * span
-                plan.append((start, start + args.seconds, n))
+                plan.append((start, start + args.seconds, size))
         for q in plans:
             q.put(plan)
         results = {}
-        for _ in range(len(plan) + sum(1 for *_, n in plan if n)):
-            who, start, rate = out.get(timeout=len(plan) * span + 60)
-            results[(who, start)] = rate
+        for _ in range(len(plan) + sum(1 for *_, size in plan if size)):
+            who, start, rate = out.get(timeout=len(plan) * span + 120)
+            results[(who, start)] = Rate(*rate)
     finally:
         for p in procs:
-            p.join(10)
+            p.join(30)
             if p.is_alive():
                 p.kill()
                 p.join()
-    alone = [results[("writer", a)] for a, _, n in plan if n is None]
-    report = {"writer_alone_rows_per_s": statistics.median(alone)}
+    alone = median([results[("writer", a)] for a, _, size in plan if size is None])
+    report: dict = {"writer_alone_rows_per_s": alone._asdict()}
     for size in SAMPLE_SIZES:
-        starts = [a for a, _, n in plan if n == size]
-        writer = statistics.median(results[("writer", a)] for a in starts)
+        starts = [a for a, _, s in plan if s == size]
+        writer = median([results[("writer", a)] for a in starts])
         report[f"sample_{size}"] = {
-            "reader_calls_per_s": statistics.median(results[("reader", a)] for a in starts),
-            "writer_rows_per_s": writer,
-            "writer_slowdown_pct": 100.0 * (1 - writer / report["writer_alone_rows_per_s"]),
+            "reader_calls_per_s": median([results[("reader", a)] for a in starts])._asdict(),
+            "writer_rows_per_s": writer._asdict(),
+            "writer_slowdown_pct": {f: 100.0 * (1 - getattr(writer, f) / getattr(alone, f)) for f in Rate._fields},
         }
     return report
 
@@ -192,48 +186,63 @@ def bench_kind(ctx, workdir: str, kind: str, args) -> dict:
     spec = KINDS[kind]
     path = os.path.join(workdir, kind)
     batch = make_batch(kind, spec["batch"])
-    result: dict = {"capacity": spec["capacity"], "write_batch_rows": spec["batch"]}
+    n = spec["batch"]
+    result: dict = {"capacity": spec["capacity"], "write_batch_rows": n}
+    torch.set_num_threads(args.writer_threads)
     with ReplayStorage.create(path, batch, spec["capacity"]) as store:
-        row_bytes = payload_bytes(store)
+        row_bytes = sum(leaf.row_bytes for leaf in store.schema.values())
         result["row_bytes"] = row_bytes
-        for _ in range(spec["capacity"] // spec["batch"] + 1):  # one lap: every page faulted in
+        for _ in range(spec["capacity"] // n + 1):  # one lap: every page faulted in
             store.write(batch)
-        torch.set_num_threads(args.writer_threads)
-        writes, copies = [], []
-        for _ in range(args.rounds):  # interleaved, so both see the same machine load
-            writes.append(write_rate(store, batch, args.seconds))
-            copies.append(memcpy_rate(workdir, spec["batch"] * row_bytes, args.seconds))
-        rows_per_s, memcpy = statistics.median(writes), statistics.median(copies)
-        result["write"] = {"rows_per_s": rows_per_s, "GB_per_s": rows_per_s * row_bytes / 1e9,
-                           "memcpy_GB_per_s": memcpy / 1e9, "ratio_to_memcpy": rows_per_s * row_bytes / memcpy,
+        memcpy, cleanup = memcpy_step(workdir, n * row_bytes)
+        try:
+            writes, copies = [], []
+            for _ in range(args.rounds):  # interleaved, so both see the same machine load
+                writes.append(run(lambda: store.write(batch) * 0 + n, args.seconds))
+                copies.append(run(memcpy, args.seconds))
+        finally:
+            cleanup()
+        rows, copy = median(writes), median(copies)
+        result["write"] = {"rows_per_s": rows._asdict(),
+                           "GB_per_s": {f: getattr(rows, f) * row_bytes / 1e9 for f in Rate._fields},
+                           "memcpy_GB_per_s": {f: getattr(copy, f) / 1e9 for f in Rate._fields},
+                           "ratio_to_memcpy": {f: getattr(rows, f) * row_bytes / getattr(copy, f)
+                                               for f in Rate._fields},
                            "torch_threads": args.writer_threads}
     torch.set_num_threads(args.reader_threads)
     with ReplayReader(path, seed=0) as reader:
         result["sample_in_process_calls_per_s"] = {
-            str(n): median_rate(lambda n=n: sample_rate(reader, n, args.seconds), args.rounds) for n in SAMPLE_SIZES}
-        assert reader.sample(8).get(WRITE_INDEX).max() < reader.write_count
+            str(size): median([run(lambda size=size: reader.sample(size) is not None, args.seconds)
+                               for _ in range(args.rounds)])._asdict() for size in SAMPLE_SIZES}
     result["concurrent"] = concurrent(ctx, path, kind, args)
-    result["concurrent"]["reader_torch_threads"] = args.reader_threads
-    result["concurrent"]["writer_torch_threads"] = args.writer_threads
     shutil.rmtree(path)
     return result
 
 
-def targets(results: dict) -> dict:
-    out = {}
-    if "pixels" in results:
-        px = results["pixels"]
-        out["pixel_write_ratio_to_memcpy>=0.5"] = px["write"]["ratio_to_memcpy"]
-        out["pixel_sample256_calls_per_s>=1000"] = px["concurrent"]["sample_256"]["reader_calls_per_s"]
-    if "cartpole" in results:
-        out["cartpole_sample256_calls_per_s>=20000"] = \
-            results["cartpole"]["concurrent"]["sample_256"]["reader_calls_per_s"]
-    for kind, res in results.items():
-        out[f"{kind}_writer_slowdown_pct_by_sample256_reader<=10"] = res["concurrent"]["sample_256"]["writer_slowdown_pct"]
-    limits = {">=0.5": (0.5, 1), ">=1000": (1000, 1), ">=20000": (20000, 1), "<=10": (10, -1)}
-    return {name: {"value": round(value, 3), "met": any(name.endswith(k) and (value - v) * sign >= 0
-                                                        for k, (v, sign) in limits.items())}
-            for name, value in out.items()}
+TARGETS = [  # name, (kind, path...) into the results, bound, at least (True) or at most (False)
+    ("pixel writes / memcpy bandwidth >= 0.5", ("pixels", "write", "ratio_to_memcpy"), 0.5, True),
+    ("pixel sample(256) calls/s >= 1000 (reader process, writer writing)",
+     ("pixels", "concurrent", "sample_256", "reader_calls_per_s"), 1000, True),
+    ("CartPole sample(256) calls/s >= 20000 (reader process, writer writing)",
+     ("cartpole", "concurrent", "sample_256", "reader_calls_per_s"), 20000, True),
+    ("CartPole writer slowdown by a sample(256) reader <= 10%",
+     ("cartpole", "concurrent", "sample_256", "writer_slowdown_pct"), 10, False),
+    ("pixel writer slowdown by a sample(256) reader <= 10%",
+     ("pixels", "concurrent", "sample_256", "writer_slowdown_pct"), 10, False),
+]
+
+
+def targets(results: dict) -> list[dict]:
+    out = []
+    for name, path, bound, at_least in TARGETS:
+        if path[0] not in results:
+            continue
+        value = results
+        for part in path:
+            value = value[part]
+        out.append({"target": name, **{f"{f}_value": round(value[f], 3) for f in Rate._fields},
+                    **{f"met_{f}": (value[f] >= bound) if at_least else (value[f] <= bound) for f in Rate._fields}})
+    return out
 
 
 def main() -> None:

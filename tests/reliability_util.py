@@ -35,14 +35,14 @@ PLUGIN_ENV = {"PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH
 
 
 # -- knobs -----------------------------------------------------------------------------------
-def knob(name: str, default: float) -> float:
-    """A scenario length in seconds from a test-only environment variable (README: reliability)."""
+def knob(name: str, default: float, unit: str = "seconds") -> float:
+    """A scenario setting from a test-only environment variable (docs/reliability.md lists them)."""
     text = os.environ.get(name, "").strip()
     if not text:
         return float(default)
     value = float(text)
     if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {text!r}")
+        raise ValueError(f"{name} must be a positive number of {unit}, got {text!r}")
     return value
 
 
@@ -478,6 +478,31 @@ def faulty_by_worker(ctx):
     if name is None:
         return make_env("Checksum", ctx, {})
     return getattr(faulty_envs, name)(ctx, after_steps=after)
+
+
+class _Slow:
+    """The Checksum env, sleeping ``step_s`` per step: chunks that take a known, long time."""
+
+    def __init__(self, ctx, step_s: float):
+        from ingestd.collect.registry import make_env
+
+        self.inner, self.step_s = make_env("Checksum", ctx, {}), step_s
+        self.num_envs, self.spec = self.inner.num_envs, self.inner.spec
+
+    def reset(self):
+        return self.inner.reset()
+
+    def step_and_maybe_reset(self, td):
+        time.sleep(self.step_s)
+        return self.inner.step_and_maybe_reset(td)
+
+    def close(self):
+        self.inner.close()
+
+
+def slow_checksum(ctx, step_s: float = 0.001):
+    """The daemon loads it as ``reliability_util:slow_checksum``."""
+    return _Slow(ctx, step_s)
 
 
 # -- status load (run in client processes: ``python -m reliability_util load ...``) ------------

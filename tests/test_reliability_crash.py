@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import control_plugins
 from control_daemon import shared_paused, wait_collecting
@@ -102,8 +101,10 @@ def _status(client: ControlClient, d: DaemonProc):
 
 # -- SIGTERM while a command is in flight -------------------------------------------------------
 STOP_TIMEOUT_S = 5.0
-SLOW_CHUNKS = {"workers.count": 2, "workers.env": "Checksum", "workers.policy": "control_plugins:readable",
-               "workers.policy_kwargs": {"pad": 1 << 20}, "workers.num_envs": 8, "workers.chunk_steps": 1500,
+SLOW_CHUNKS = {"workers.count": 2, "workers.env": "reliability_util:slow_checksum",  # 2 ms per step:
+               "workers.env_kwargs": {"step_s": 0.002}, "workers.chunk_steps": 300,  # chunks of ~0.6-1 s
+               "workers.policy": "control_plugins:readable", "workers.policy_kwargs": {"pad": 1 << 20},
+               "workers.num_envs": 8, "workers.heartbeat_timeout_s": 10.0,
                "replay.capacity": 200_000, "metrics.enabled": False, "service.stop_timeout_s": STOP_TIMEOUT_S,
                "control.ack_timeout_s": 20.0}
 
@@ -138,6 +139,7 @@ def test_sigterm_during_a_command_stops_cleanly(command):
             wait_for(lambda: read_version(d) > before, 10, "the push to be published")
         else:
             time.sleep(0.1)
+        assert not outcome, "the command finished before the SIGTERM: it was not in flight"
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         code = d.proc.wait(STOP_TIMEOUT_S + 10)

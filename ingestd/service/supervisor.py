@@ -42,6 +42,7 @@ class Slot:
     start_at: float | None = None  # pending (re)start time
     retiring: bool = False  # asked to stop for good (scale down)
     restarting: bool = False  # asked to stop, then start again (restart command)
+    hung: bool = False  # SIGKILLed for a missed heartbeat, not reaped yet (report and kill it once)
 
 
 class Supervisor:
@@ -116,7 +117,7 @@ class Supervisor:
                 self.stats[index]["state"] = State.EMPTY
 
     def _start(self, index: int, slot: Slot) -> None:
-        slot.start_at = None
+        slot.start_at, slot.hung = None, False
         self.stats.reset(index)
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
@@ -158,7 +159,8 @@ class Supervisor:
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
         age = now - float(self.stats[index]["heartbeat"])
-        if age > self.policy.heartbeat_timeout_s:
+        if age > self.policy.heartbeat_timeout_s and not slot.hung:
+            slot.hung = True
             log.warning("worker %d (pid %d) missed its heartbeat for %.1f s; killing it",
                         index, slot.process.pid, age)
             self.stats.set_error(index, f"hung: no heartbeat for {age:.1f} s")

@@ -1,0 +1,158 @@
+"""Reliability, authentication: on a CURVE tcp bind, clients without an authorised key (none, an
+unknown one, or the wrong server key) cannot run any command and receive nothing, neither replies
+nor events; and the modes of the key files, the ipc sockets and the daemon's state files."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+import urllib.request
+
+import pytest
+import zmq
+
+import control_plugins
+from control_daemon import PLUGIN_ENV, SETTINGS, shared, shared_paused
+from daemon_proc import DaemonProc, free_port
+from ingestd import ControlClient, DaemonUnavailable
+from ingestd.control.client import CurveKeys, EventStream
+from ingestd.control.commands import COMMANDS
+from ingestd.control.curve import keygen
+from ingestd.control.protocol import encode_header
+from ingestd.weights.wire import encode
+from reliability_util import record, wait_for
+from test_metrics import samples
+
+
+@pytest.fixture(scope="module")
+def daemon(pytestconfig):
+    """The shared (ipc) control daemon."""
+    return shared(pytestconfig)
+
+
+@pytest.fixture(scope="module")
+def curve_daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("curve")
+    (authorized := root / "authorized").mkdir()
+    made = {name: keygen(root, name) for name in ("server", "trainer", "intruder", "impostor")}
+    shutil.copy(made["trainer"][0], authorized / "trainer.key")
+    loose = root / "loose.key_secret"  # the daemon's secret key, readable by others: it must warn
+    shutil.copy(made["server"][1], loose)
+    loose.chmod(0o644)
+    overrides = {**SETTINGS, "control.address": f"tcp://127.0.0.1:{free_port()}",
+                 "control.events_address": f"tcp://127.0.0.1:{free_port()}",
+                 "control.curve_secret_key": str(loose), "control.curve_authorized_keys": str(authorized),
+                 "metrics.enabled": True}
+    with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        keys = CurveKeys.load(made["server"][0], made["trainer"][1])
+        with ControlClient(d.control_address, timeout=1.0, curve_keys=keys) as c:
+            wait_for(lambda: _answers(d, c), 60, "the daemon to answer over CURVE", 0.1)
+        yield d, made, keys
+
+
+def _answers(d, c) -> bool:
+    assert d.proc.poll() is None, d.log()
+    try:
+        return all(w.frames > 0 for w in c.status().workers)
+    except DaemonUnavailable:
+        return False
+
+
+def _requests_counted(d: DaemonProc) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as reply:
+        found = samples(reply.read().decode())
+    return sum(v for (name, _), v in found.items() if name == "ingestd_control_requests_total")
+
+
+def _every_command() -> list[list[bytes]]:
+    """One message per command, each of them harmful if it ran (scale to 0, restart, a push...)."""
+    args = {"pause": {}, "resume": {}, "restart": {}, "scale": {"count": 0}, "push_weights": {"wait": False}}
+    out = []
+    for cmd in sorted(COMMANDS):
+        payload = encode(control_plugins.weights(1.0)) if cmd == "push_weights" else []
+        out.append([encode_header(f"intruder-{cmd}", cmd, args.get(cmd, {})), *payload])
+    return out + [[b"garbage"]]
+
+
+def test_unauthorised_clients_get_nothing(curve_daemon):
+    d, made, keys = curve_daemon
+    ctx = zmq.Context.instance()
+    with ControlClient(d.control_address, timeout=3.0, curve_keys=keys) as c:
+        before = c.status()
+        events_address = c.ping()["events_address"]
+    counted = _requests_counted(d)
+    socks, subs = [], []
+
+    def curve(sock, server_public: bytes, secret_file) -> zmq.Socket:
+        CurveKeys(server_public, str(secret_file)).apply(sock)
+        return sock
+
+    server_public = CurveKeys.load(made["server"][0], made["trainer"][1]).server_public
+    impostor_public = CurveKeys.load(made["impostor"][0], made["trainer"][1]).server_public
+    setups = {"no key": lambda s: s, "unknown client key": lambda s: curve(s, server_public, made["intruder"][1]),
+              "wrong server key": lambda s: curve(s, impostor_public, made["trainer"][1])}
+    try:
+        for name, setup in setups.items():
+            for frames in _every_command():
+                sock = setup(ctx.socket(zmq.DEALER))
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(d.control_address)
+                sock.send_multipart(frames)
+                socks.append((name, frames[0], sock))
+            sub = setup(ctx.socket(zmq.SUB))
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(events_address)
+            subs.append((name, sub))
+        time.sleep(0.5)
+        with ControlClient(d.control_address, timeout=5.0, curve_keys=keys) as c:
+            with EventStream(events_address, curve_keys=keys) as good:  # events flow, to the authorised only
+                got, pairs = None, 0
+                deadline = time.monotonic() + 10
+                while got is None and time.monotonic() < deadline:
+                    c.pause()
+                    c.resume()
+                    pairs += 1
+                    got = good.next(0.3)
+                assert got is not None
+        time.sleep(1.0)
+        answered = [(name, head) for name, head, sock in socks if sock.poll(0)]
+        heard = [name for name, sub in subs if sub.poll(0)]
+    finally:
+        for _, _, sock in socks:
+            sock.close(0)
+        for _, sub in subs:
+            sub.close(0)
+    assert not answered, f"unauthorised requests were answered: {answered}"
+    assert not heard, f"unauthorised subscribers received events: {heard}"
+    with ControlClient(d.control_address, timeout=3.0, curve_keys=keys) as c:
+        after = c.status()
+    assert after.desired == "run" and after.count == before.count and after.weights_version == before.weights_version
+    assert [(w.pid, w.restarts, w.state) for w in after.workers] == \
+        [(w.pid, w.restarts, "running") for w in before.workers], "a worker was disturbed"
+    counted = _requests_counted(d) - counted
+    assert counted == 2 * pairs + 1, \
+        f"{counted} requests reached the handlers; the authorised client sent {2 * pairs + 1}"
+    record("7 authentication", attempts=len(socks), setups=len(setups), commands=len(_every_command()),
+           answered=len(answered), subscribers_heard=len(heard), requests_counted=int(counted))
+
+
+def test_key_socket_and_state_file_modes(curve_daemon, daemon):
+    d, made, _ = curve_daemon
+    for public, secret in made.values():
+        assert stat.S_IMODE(public.stat().st_mode) == 0o644 and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert "other users may read it: chmod 600 it" in d.log(), "a loose secret key must be warned about"
+    checked = {}
+    for name in ("control.sock", "events.sock"):  # ipc sockets: 0660 or stricter
+        mode = stat.S_IMODE(os.stat(daemon.runtime_dir / name).st_mode)
+        assert mode & 0o660 == mode, (name, oct(mode))
+        checked[name] = oct(mode)
+    for name, most in (("weights", 0o600), ("workers.stats", 0o640)):
+        mode = stat.S_IMODE(os.stat(daemon.runtime_dir / name).st_mode)
+        assert mode & most == mode, (name, oct(mode))
+        checked[name] = oct(mode)
+    mode = stat.S_IMODE(os.stat(daemon.runtime_dir).st_mode)
+    assert mode & 0o007 == 0, oct(mode)
+    checked["runtime dir"] = oct(mode)
+    record("7 file modes", **checked)
