@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import lz4.frame
@@ -53,19 +54,35 @@ def client(daemon):
         restore(c)
 
 
-def ingest_rates(replay_path, windows: int, seconds: float) -> tuple[list[float], float]:
-    """Rows/s written in ``windows`` consecutive windows, read from the replay header (no control
-    traffic), and the share of the machine other processes used meanwhile (``ExternalLoad``)."""
-    rates = []
-    with ReplayReader(replay_path) as reader:
+@dataclass
+class Ingest:
+    """Ingest measured over consecutive windows, from the replay header and /proc (no control traffic)."""
+
+    rates: list[float]  # rows/s per window
+    per_cpu_s: list[float]  # rows per CPU-second of the workers, per window
+    daemon_cores: float  # CPU the daemon process used (its threads, not the workers), in cores
+    external: float  # share of the machine used by processes outside this test (ExternalLoad)
+
+    @property
+    def rate(self) -> float:
+        return float(np.mean(self.rates))
+
+
+def measure_ingest(daemon, workers: list[int], windows: int, seconds: float) -> Ingest:
+    rates, per_cpu = [], []
+    with ReplayReader(daemon.replay_path) as reader:
         load = ExternalLoad()
-        count, t = reader.write_count, time.monotonic()
+        d0 = process_cpu(daemon.proc.pid)
+        count, t, cpu = reader.write_count, time.monotonic(), sum(process_cpu(p) for p in workers)
+        start = t
         for _ in range(windows):
             time.sleep(seconds)
-            now_count, now = reader.write_count, time.monotonic()
+            now_count, now, now_cpu = reader.write_count, time.monotonic(), sum(process_cpu(p) for p in workers)
             rates.append((now_count - count) / (now - t))
-            count, t = now_count, now
-        return rates, load.stop()
+            per_cpu.append((now_count - count) / max(1e-6, now_cpu - cpu))
+            count, t, cpu = now_count, now, now_cpu
+        daemon_cores = (process_cpu(daemon.proc.pid) - d0) / (t - start)
+        return Ingest(rates, per_cpu, daemon_cores, load.stop())
 
 
 def judge_timing(external: float, verdicts: dict[str, bool], figures: str) -> None:
@@ -222,7 +239,8 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
     rng = random.Random(20261130)
     before = client.status()
-    rate_before, busy_before = ingest_rates(daemon.replay_path, 5, 0.6)
+    workers = [w.pid for w in before.workers]
+    ingest_before = measure_ingest(daemon, workers, 5, 0.6)
     ctx = zmq.Context.instance()
     sock = _dealer(ctx, daemon.control_address)
     counts, codes, pings = Counter(), Counter(), []
@@ -274,7 +292,7 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
             pings.append(time.perf_counter() - t0)
     finally:
         sock.close(0)
-    rate_after, busy_after = ingest_rates(daemon.replay_path, 5, 0.6)
+    ingest_after = measure_ingest(daemon, workers, 5, 0.6)
     after = client.status()
     assert daemon.proc.poll() is None
     assert [(w.pid, w.restarts, w.state) for w in after.workers] == \
@@ -283,15 +301,22 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
     assert "Traceback" not in daemon.log() and "unexpected error" not in daemon.log()
     assert codes["internal"] == 0
     total = sum(counts.values())
-    b, a = float(np.mean(rate_before)), float(np.mean(rate_after))
-    noise = float(np.std(rate_before + rate_after)) * 2 / math.sqrt(len(rate_before))  # 2 standard errors
+    b, a = ingest_before.rate, ingest_after.rate
+    windows = ingest_before.rates + ingest_after.rates
+    noise = float(np.std(windows)) * 2 / math.sqrt(len(ingest_before.rates))  # 2 standard errors
+    external = max(ingest_before.external, ingest_after.external)
     record("4 control fuzzing", messages=total, **{f"n_{k.removeprefix('fuzz_')}": v for k, v in counts.items()},
            replies=dict(codes), ping_max_ms=round(1e3 * max(pings), 2), ingest_before_rows_s=round(b),
            ingest_after_rows_s=round(a), change_pct=round(100 * (a / b - 1), 1), noise_pct=round(100 * noise / b, 1),
-           external_load_pct=round(100 * max(busy_before, busy_after)))
+           rows_per_worker_cpu_s_before=round(float(np.mean(ingest_before.per_cpu_s))),
+           rows_per_worker_cpu_s_after=round(float(np.mean(ingest_after.per_cpu_s))),
+           daemon_cpu_pct_before=round(100 * ingest_before.daemon_cores, 1),
+           daemon_cpu_pct_after=round(100 * ingest_after.daemon_cores, 1), external_load_pct=round(100 * external))
     assert total >= 10_000
-    judge_timing(max(busy_before, busy_after), {"ingest rate within noise": a >= b - max(noise, 0.1 * b)},
-                 f"ingest {b:.0f} rows/s before, {a:.0f} after; windows {rate_before} {rate_after}")
+    # nothing left running in the daemon (a spinning thread would take the workers' CPU)
+    assert ingest_after.daemon_cores <= ingest_before.daemon_cores + 0.03, (ingest_before, ingest_after)
+    judge_timing(external, {"ingest rate within noise": a >= b - max(noise, 0.1 * b)},
+                 f"ingest {b:.0f} rows/s before, {a:.0f} after; windows {ingest_before.rates} {ingest_after.rates}")
 
 
 # -- 5. bad weights ----------------------------------------------------------------------------------
@@ -380,13 +405,16 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
                 while (now := time.monotonic()) < edge:
                     rss.sample(pids)
                     time.sleep(min(0.25, max(0.0, edge - now)))
-                counts.append((reader.write_count, time.monotonic(), process_cpu(daemon.proc.pid)))
+                counts.append((reader.write_count, time.monotonic(), process_cpu(daemon.proc.pid),
+                               sum(process_cpu(p) for p in pids[1:])))
             external = load.stop()
-        daemon_cpu = [0.0, 0.0]  # daemon CPU seconds in the idle and in the loaded windows
+        daemon_cpu, worker_cpu, seconds = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]  # idle and loaded windows
         for k in range(2 * rounds):
-            (c0, t0, u0), (c1, t1, u1) = counts[k], counts[k + 1]
+            (c0, t0, u0, w0), (c1, t1, u1, w1) = counts[k], counts[k + 1]
             (idle if k % 2 == 0 else loaded).append((c1 - c0) / (t1 - t0))
             daemon_cpu[k % 2] += u1 - u0
+            worker_cpu[k % 2] += w1 - w0
+            seconds[k % 2] += t1 - t0
         for proc in procs:
             assert proc.wait(30) == 0, "a load client failed"
     finally:
@@ -410,6 +438,8 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
            p99_behind_schedule_ms=round(1e3 * percentiles(late, 99)[0], 2),
            ingest_idle_rows_s=round(float(np.mean(idle))), ingest_loaded_rows_s=round(float(np.mean(loaded))),
            slowdown_pct=round(100 * slowdown, 1), external_load_pct=round(100 * external),
+           worker_cores_idle=round(worker_cpu[0] / seconds[0], 3),
+           worker_cores_loaded=round(worker_cpu[1] / seconds[1], 3),
            daemon_cpu_us_per_request=round(1e6 * (daemon_cpu[1] - daemon_cpu[0]) / latency.size, 1),
            client_cpu_us_per_request=round(1e6 * client_cpu / latency.size, 1))
     record("9 RSS soak", seconds=round(2 * rounds * WINDOW_S + 3), daemon_drift_pct=round(100 * drift[pids[0]], 2),
