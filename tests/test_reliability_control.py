@@ -240,7 +240,7 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
     rng = random.Random(20261130)
     before = client.status()
     workers = [w.pid for w in before.workers]
-    ingest_before = measure_ingest(daemon, workers, 5, 0.6)
+    ingest_before = measure_ingest(daemon, workers, 8, 1.0)  # long enough to see the rate's natural drift
     ctx = zmq.Context.instance()
     sock = _dealer(ctx, daemon.control_address)
     counts, codes, pings = Counter(), Counter(), []
@@ -292,7 +292,7 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
             pings.append(time.perf_counter() - t0)
     finally:
         sock.close(0)
-    ingest_after = measure_ingest(daemon, workers, 5, 0.6)
+    ingest_after = measure_ingest(daemon, workers, 4, 1.0)
     after = client.status()
     assert daemon.proc.poll() is None
     assert [(w.pid, w.restarts, w.state) for w in after.workers] == \
@@ -302,8 +302,9 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
     assert codes["internal"] == 0
     total = sum(counts.values())
     b, a = ingest_before.rate, ingest_after.rate
-    windows = ingest_before.rates + ingest_after.rates
-    noise = float(np.std(windows)) * 2 / math.sqrt(len(ingest_before.rates))  # 2 standard errors
+    # noise: the rate's own variation over the 8 s before the fuzzing (2 standard deviations; on
+    # the 2-core VM it drifts by up to ~25 % over tens of seconds with nothing else running)
+    noise = 2 * float(np.std(ingest_before.rates))
     external = max(ingest_before.external, ingest_after.external)
     record("4 control fuzzing", messages=total, **{f"n_{k.removeprefix('fuzz_')}": v for k, v in counts.items()},
            replies=dict(codes), ping_max_ms=round(1e3 * max(pings), 2), ingest_before_rows_s=round(b),
