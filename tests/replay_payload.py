@@ -131,7 +131,7 @@ def writer_main(path: str, seed: int, max_batch: int, stop, report) -> None:
     written = batches = 0
     with PayloadStorage.open(path) as store:
         templates = {n: template(store.schema, n) for n in range(1, max_batch + 1)}
-        while not stop.value:
+        while not stop.value or written == 0:
             n = int(rng.integers(1, max_batch + 1))
             store.write(templates[n])
             written, batches = written + n, batches + 1
@@ -145,7 +145,7 @@ def reader_main(path: str, seed: int, batch: int, stop, report) -> None:
     seen = []
     with ReplayReader(path, seed=seed) as reader:
         schema = reader.schema
-        while not stop.value:
+        while not stop.value or samples == 0:  # at least one sample, however late this process started
             td = reader.sample(batch, timeout=5.0)
             bad += int(bad_rows(td, schema).sum())
             seen.append(td.get(WRITE_INDEX).numpy())
