@@ -6,6 +6,8 @@ found it: two running workers (``restore``).
 """
 from __future__ import annotations
 
+import pytest
+
 import contextlib
 import os
 import time
@@ -102,3 +104,20 @@ def rows_between(replay_path, first: int, last: int):
     keep = ((index >= first) & (index < last)).nonzero().squeeze(-1)
     rows = rows[keep]
     return rows[torch.argsort(rows.get(("ingestd", "write_index")))]
+
+
+@pytest.fixture(scope="module")
+def daemon(pytestconfig):
+    """The shared control-test daemon (started once per session, see ``shared``)."""
+    return shared(pytestconfig)
+
+
+@pytest.fixture
+def client(daemon):
+    """A client on the shared daemon; the daemon is put back to running workers before and after."""
+    from ingestd import ControlClient
+
+    with ControlClient(daemon.control_address, timeout=5.0) as c:
+        restore(c)
+        yield c
+        restore(c)

@@ -13,7 +13,8 @@ import torch
 import zmq
 
 import control_plugins
-from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, restore, rows_between, shared, wait_for
+from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
+from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, wait_for
 from ingestd import BadReply, CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
@@ -21,16 +22,7 @@ from ingestd.control.protocol import decode_reply, encode_header
 from ingestd.weights.wire import encode
 
 
-@pytest.fixture(scope="module")
-def daemon(pytestconfig):
-    return shared(pytestconfig)
-
-
-@pytest.fixture
-def client(daemon):
-    with ControlClient(daemon.control_address, timeout=5.0) as c:
-        yield c
-        restore(c)
+# the shared control daemon and a client on it: fixtures `daemon` and `client` (control_daemon)
 
 
 def write_count(client) -> int:

@@ -12,21 +12,12 @@ import pytest
 import torch
 
 import control_plugins
-from control_daemon import restore, shared
+from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
 from ingestd import ControlClient
 from ingestd.control import cli
 
 
-@pytest.fixture(scope="module")
-def daemon(pytestconfig):
-    return shared(pytestconfig)
-
-
-@pytest.fixture
-def client(daemon):
-    with ControlClient(daemon.control_address, timeout=5.0) as c:
-        yield c
-        restore(c)
+# the shared control daemon and a client on it: fixtures `daemon` and `client` (control_daemon)
 
 
 @pytest.fixture

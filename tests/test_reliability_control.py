@@ -26,7 +26,8 @@ import torch
 import zmq
 
 import control_plugins
-from control_daemon import PLUGIN_ENV, SETTINGS, restore, rows_between, shared
+from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
+from control_daemon import PLUGIN_ENV, SETTINGS, rows_between
 from ingestd import ControlClient
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.commands import COMMANDS
@@ -41,17 +42,7 @@ MAX_BYTES = SETTINGS["control.max_message_bytes"]
 LOAD_S = knob("INGESTD_LOAD_SECONDS", 10.0)
 
 
-@pytest.fixture(scope="module")
-def daemon(pytestconfig):
-    return shared(pytestconfig)
-
-
-@pytest.fixture
-def client(daemon):
-    with ControlClient(daemon.control_address, timeout=5.0) as c:
-        restore(c)
-        yield c
-        restore(c)
+# the shared control daemon and a client on it: fixtures `daemon` and `client` (control_daemon)
 
 
 @dataclass
