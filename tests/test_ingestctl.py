@@ -13,7 +13,6 @@ import torch
 
 import control_plugins
 from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
-from ingestd import ControlClient
 from ingestd.control import cli
 
 
