@@ -51,6 +51,8 @@ class TorchEnv(ABC):
         self.device = torch.device(ctx.device)
         self._batch = torch.Size([ctx.num_envs])
         self._flag_shape = (ctx.num_envs, 1)
+        self._gen = torch.Generator(device=self.device)  # the env's own stream, from the worker's seed
+        self._gen.manual_seed(ctx.seed)
 
     # -- what subclasses implement --------------------------------------------
     @abstractmethod

@@ -45,8 +45,6 @@ class CartPole(TorchEnv):
         super().__init__(ctx, SPEC)
         self.max_steps = max_steps
         n, dev = ctx.num_envs, self.device
-        self._gen = torch.Generator(device=dev)
-        self._gen.manual_seed(ctx.seed)
         # one row per state variable: every op below runs on contiguous rows
         self._state = torch.zeros((4, n), dtype=torch.float64, device=dev)
         self._draw = torch.empty((4, n), dtype=torch.float64, device=dev)

@@ -37,8 +37,6 @@ class Pixels(TorchEnv):
         super().__init__(ctx, SPEC)
         self.max_steps = max_steps
         n, dev = ctx.num_envs, self.device
-        self._gen = torch.Generator(device=dev)
-        self._gen.manual_seed(ctx.seed)
         self._windows = _frame_windows(tape_frames, self._gen, dev)
         self._tape_frames = tape_frames
         self._pos = torch.zeros(n, dtype=torch.int64, device=dev)
