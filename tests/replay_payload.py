@@ -138,8 +138,9 @@ def writer_main(path: str, seed: int, max_batch: int, stop, report) -> None:
     report.put(("writer", written, batches))
 
 
-def reader_main(path: str, seed: int, batch: int, stop, report) -> None:
-    """Sample and verify until ``stop.value``; report samples, bad rows and write indices seen."""
+def reader_main(path: str, seed: int, batch: int, progress, stop, report) -> None:
+    """Sample and verify until ``stop.value`` (counting samples in ``progress.value``); report
+    samples, bad rows and the write indices seen."""
     _child_setup()
     samples = bad = 0
     seen = []
@@ -150,6 +151,7 @@ def reader_main(path: str, seed: int, batch: int, stop, report) -> None:
             bad += int(bad_rows(td, schema).sum())
             seen.append(td.get(WRITE_INDEX).numpy())
             samples += 1
+            progress.value = samples
     report.put(("reader", samples, bad, np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)))
 
 

@@ -56,7 +56,7 @@ class Children:
         self.procs.append(proc)
         return proc
 
-    def reports(self, count: int, timeout: float = 20.0) -> list[tuple]:
+    def reports(self, count: int, timeout: float = 90.0) -> list[tuple]:  # spawned children import torch: slow under load
         deadline, got = time.monotonic() + timeout, []
         while len(got) < count:
             try:
@@ -121,11 +121,14 @@ def test_writers_and_readers_run_together(ctx, shm_dir):
     with children(ctx) as kids:
         for i in range(3):
             kids.start(rp.writer_main, path, i, 48)
+        progress = [ctx.Value("q", 0, lock=False) for _ in range(2)]
         for i in range(2):
-            kids.start(rp.reader_main, path, 100 + i, 64)
+            kids.start(rp.reader_main, path, 100 + i, 64, progress[i])
         with ReplayReader(path) as reader:
-            wait_until(lambda: reader.write_count > 8 * reader.capacity, 15, "writers to wrap the ring 8 times")
+            wait_until(lambda: reader.write_count > 8 * reader.capacity, 30, "writers to wrap the ring 8 times")
         time.sleep(RUN_S / 2)
+        # enough samples to cover the ring (200 * 64 rows over 2048 slots), however busy the machine
+        wait_until(lambda: all(p.value >= 200 for p in progress), 30, "readers to take 200 samples each")
         kids.halt()
         got = kids.reports(5)
     writers = [r for r in got if r[0] == "writer"]
@@ -149,7 +152,7 @@ def test_writer_killed_mid_write(ctx, shm_dir):
     with children(ctx) as kids:
         for i in range(2):
             kids.start(rp.writer_main, path, i, 16)
-        kids.start(rp.reader_main, path, 7, 64)
+        kids.start(rp.reader_main, path, 7, 64, ctx.Value("q", 0, lock=False))
         stalled, where = ctx.Event(), ctx.Array("q", 2, lock=False)
         victim = kids.start(rp.stalling_writer_main, path, 40, stalled, None, where, with_stop=False)
         assert stalled.wait(15), "the stalling writer never reached its fill"
