@@ -191,11 +191,9 @@ class Worker:
 
 def build_env_and_policy(spec: WorkerSpec, seed: int, episode_base: int, num_envs: int | None = None):
     """Construct the configured env and policy (also used by the daemon for the schema)."""
-    from ingestd.collect.interfaces import EnvContext
-    from ingestd.collect.registry import make_env, make_policy
-
     from ingestd.collect.features import component_seeds, seeded_policy_kwargs
-    from ingestd.collect.registry import resolve_policy
+    from ingestd.collect.interfaces import EnvContext
+    from ingestd.collect.registry import make_env, make_policy, resolve_policy
 
     seeds = component_seeds(seed)
     ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=seeds.env, worker=spec.index,

@@ -25,7 +25,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ingestd.errors import ConfigError
 from ingestd.service.config_schema import (
@@ -355,24 +355,26 @@ def _env_dir(environ: Mapping[str, str], name: str) -> Path | None:
     return Path(value) if value.startswith("/") else None
 
 
+def _default_dir(environ: Mapping[str, str], systemd: str, xdg: str, fallback: Callable[[], Path]) -> Path:
+    """``$systemd`` (set by systemd's *Directory=), else ``$xdg/ingestd``, else ``fallback()``."""
+    if (own := _env_dir(environ, systemd)) is not None:
+        return own
+    if (base := _env_dir(environ, xdg)) is not None:
+        return base / "ingestd"
+    return fallback()
+
+
 def default_data_dir(environ: Mapping[str, str], uid: int | None = None) -> Path:
     """$STATE_DIRECTORY, else $XDG_STATE_HOME/ingestd, else ~/.local/state/ingestd."""
     uid = os.getuid() if uid is None else uid
-    if (state := _env_dir(environ, "STATE_DIRECTORY")) is not None:
-        return state
-    if (xdg := _env_dir(environ, "XDG_STATE_HOME")) is not None:
-        return xdg / "ingestd"
-    return _home(environ, uid, "service.data_dir") / ".local" / "state" / "ingestd"
+    return _default_dir(environ, "STATE_DIRECTORY", "XDG_STATE_HOME",
+                        lambda: _home(environ, uid, "service.data_dir") / ".local" / "state" / "ingestd")
 
 
 def default_runtime_dir(environ: Mapping[str, str], uid: int | None = None) -> Path:
     """$RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/ingestd, else /tmp/ingestd-<uid>."""
     uid = os.getuid() if uid is None else uid
-    if (runtime := _env_dir(environ, "RUNTIME_DIRECTORY")) is not None:
-        return runtime
-    if (xdg := _env_dir(environ, "XDG_RUNTIME_DIR")) is not None:
-        return xdg / "ingestd"
-    return Path(f"/tmp/ingestd-{uid}")
+    return _default_dir(environ, "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR", lambda: Path(f"/tmp/ingestd-{uid}"))
 
 
 def default_control_address(environ: Mapping[str, str], uid: int | None = None) -> str:
