@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ingestd.collect.interfaces import EnvSpec
+from ingestd.collect.stats import PauseReason
 from ingestd.errors import ConfigError
 
 log = logging.getLogger("ingestd.worker")
@@ -224,8 +225,6 @@ class ChunkExtras:
 
     def paused(self, storage):
         """``PauseReason.BUDGET`` once ``total_frames`` are stored, else ``PauseReason.NONE``."""
-        from ingestd.collect.stats import PauseReason
-
         return PauseReason.BUDGET if self.schedule.spent(storage.write_count) else PauseReason.NONE
 
     def before_chunk(self, rollout, storage, version: int) -> int:
