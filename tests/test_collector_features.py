@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from daemon_proc import DaemonProc
+from ingestd.collect.envs import CartPole
 from ingestd.collect.envs.checksum import Checksum, episode_hash, episode_shape, mix64, reward_of
 from ingestd.collect.features import (
     WARMUP_VERSION, Schedule, StepLimit, check_device, component_seeds, seeded_policy_kwargs,
@@ -332,6 +333,40 @@ def test_daemon_collects_with_the_policy_on_cuda():
         d.wait_ready(rows=4 * CHUNK)
         assert d.stop() == 0
         assert stored_rows(d.replay_path).batch_size[0] >= 4 * CHUNK
+
+
+@pytest.mark.slow
+def test_daemon_collects_with_a_compiled_policy_and_pushed_weights_reach_it():
+    """workers.compile_policy on the real daemon: the worker compiles (cold, this can take a minute
+    on 2 cores, with the heartbeat kept alive), collects, and a weights push changes what the
+    compiled policy does from the stamped version on, so the compiled graph reads the live weights."""
+    overrides = {"workers.env": "CartPole", "workers.policy": "MLP", "workers.count": 1,
+                 "workers.compile_policy": True, "workers.threads": 1}
+    env = CartPole(EnvContext(num_envs=1, seed=0, worker=0, episode_base=0, device="cpu"))
+    zeros = {k: torch.zeros_like(v) for k, v in MLP(env.spec).state_dict().items()}
+    last_bias = [k for k in zeros if k.endswith("bias")][-1]
+
+    def always(action: int) -> dict:  # every Q-value 0 except this action's: argmax is it everywhere
+        state = {k: v.clone() for k, v in zeros.items()}
+        state[last_bias][action] = 1.0
+        return state
+
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready(timeout=600, rows=4 * CHUNK)
+        with ControlClient(d.control_address, timeout=60) as client:
+            assert client.status().workers[0].restarts == 0  # never taken for hung while compiling
+            versions = []
+            for action in (0, 1):
+                versions.append(client.push_weights(always(action)))
+                start = client.status().replay.write_count
+                wait_status(client, lambda s: s.replay.write_count > start + 8 * CHUNK, 60, "rows under the push")
+        assert d.stop() == 0
+        log, rows = d.log(), stored_rows(d.replay_path)
+    assert "compiled the policy in" in log
+    stamped, action = rows["ingestd", "policy_version"], rows["action"].reshape(-1)
+    for expected, version in enumerate(versions):
+        mine = stamped == version
+        assert int(mine.sum()) >= 4 * CHUNK and bool((action[mine] == expected).all()), version
 
 
 def test_compiled_policy_keeps_the_heartbeat_during_its_first_call():
