@@ -139,6 +139,12 @@ REQUIRED_PANELS = [
     ("Control requests", {"ingestd_control_requests_total"}),
     ("Control errors", {"ingestd_control_requests_total"}),
     ("Weight-push latency", {"ingestd_weight_push_seconds_bucket"}),
+    ("Rate limiter: error", {"ingestd_limiter_error"}),
+    ("Rate limiter: trainer blocked", {"ingestd_limiter_reader_blocked_seconds_total"}),
+    ("Rate limiter: workers held back", {"ingestd_limiter_workers_blocked"}),
+    ("Rate limiter: time blocked", {"ingestd_limiter_blocked_seconds_total"}),
+    ("Policy lag of stored and sampled rows", {"ingestd_replay_policy_lag_versions",
+                                               "ingestd_sampled_policy_lag_versions"}),
 ]
 
 
