@@ -62,6 +62,7 @@ def test_env_faults_are_contained():
             for worker in PROGRESSING:
                 assert re.search(MESSAGES[worker], seen_errors[worker]), (worker, seen_errors[worker])
                 assert status.workers[worker].state != "failed" and status.workers[worker].frames > 0
+                assert re.search(MESSAGES[worker], status.workers[worker].error)  # kept across the restart
             frames = status.workers[0].frames
             time.sleep(0.3)
             final = client.status()

@@ -89,13 +89,13 @@ class StatsBlock:
         return self.records[index]
 
     def reset(self, index: int) -> None:
-        """Clear a slot for a fresh worker (keeps restarts, desired and episode counts)."""
+        """Clear a slot for a fresh worker. Keeps restarts, desired, episode counts and the last
+        error, so an operator still sees why a worker was restarted once it runs again."""
         rec = self.records[index]
         for name in ("state", "pid", "incarnation", "chunks", "weights_version", "seed",
                      "pause_reason", "chunk_seconds"):
             rec[name] = 0
         rec["heartbeat"] = rec["started_at"] = time.monotonic()
-        rec["error"] = b""
 
     def set_error(self, index: int, message: str) -> None:
         self.records[index]["error"] = message.encode("utf-8", "replace")[:ERROR_BYTES]
