@@ -23,6 +23,10 @@ class SchemaMismatch(IngestdError, ValueError):
     """A batch or a reopen request does not match the storage's schema/capacity."""
 
 
+class StorageFull(IngestdError, OSError):
+    """The file system has no room for a new storage's files (they are allocated up front)."""
+
+
 class EmptyReplay(IngestdError, LookupError):
     """Sampling was asked of a storage with no committed rows (non-blocking call)."""
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,3 +321,34 @@ def test_closed_handles_say_so(shm_dir):
             call()
     with ReplayReader(path) as again:
         assert not rp.bad_rows(td, again.schema).any()  # a sample outlives the reader it came from
+
+
+NO_ROOM = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past RLIMIT_FSIZE: EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+import replay_payload as rp
+from ingestd.errors import StorageFull
+from ingestd.replay import ReplayStorage
+try:
+    ReplayStorage.create(sys.argv[1], rp.spec("cartpole"), 1 << 16)
+except StorageFull as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_storage_without_room_is_a_clear_error_at_create_and_leaves_nothing(shm_dir):
+    """Files are allocated up front: no room is an error when the storage is created, never a
+    SIGBUS in a worker that first touches an unbacked page later."""
+    path = shm_dir / "r"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    out = subprocess.run([sys.executable, "-c", NO_ROOM, str(path)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 3, out.stderr
+    assert "no room for a replay of 65536 rows" in out.stdout and "replay.capacity" in out.stdout
+    assert {p.name for p in path.iterdir()} <= {"lock"}  # no half-made files
+    with ReplayStorage.create(path, rp.spec("cartpole"), 1 << 16):  # the same create, with room
+        pass
+    data = path / "data.bin"
+    assert data.stat().st_blocks * 512 >= data.stat().st_size  # allocated, not sparse

@@ -19,6 +19,7 @@ written (or cleared by recovery), ``2*w+1`` being written as write index
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ingestd.errors import CorruptStorage, StorageNotFound
+from ingestd.errors import CorruptStorage, StorageFull, StorageNotFound
 from ingestd.replay.layout import Key, Leaf, dtype_name, leaf_name, numpy_dtype, schema_from_json, schema_to_json
 
 FORMAT = "ingestd-replay"
@@ -133,15 +134,37 @@ def write_meta(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
 
 
 def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
-    """Create sparse files for the header and the data (meta.json comes last)."""
-    with open(path / "header.bin", "wb") as f:
-        f.truncate(header_bytes(capacity))
+    """Create the header and data files with every block allocated (meta.json comes last).
+
+    Allocating up front turns a full tmpfs or disk into a clear error here, instead of a
+    SIGBUS in whichever worker first touches an unbacked page of a sparse file."""
+    sizes = {"header.bin": header_bytes(capacity), "data.bin": plan_layout(schema, capacity).data_bytes}
+    try:
+        for name, size in sizes.items():
+            with open(path / name, "wb") as f:
+                f.truncate(size)
+                _reserve(f.fileno(), size)
+    except OSError as exc:
+        for name in sizes:
+            (path / name).unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            need = sum(sizes.values())
+            raise StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB "
+                              f"({exc.strerror}); lower replay.capacity or choose a replay.path with space") from exc
+        raise
     header = np.memmap(path / "header.bin", dtype=np.int64, mode="r+", shape=(HEADER_WORDS + capacity,))
     header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
     header.flush()
     del header
-    with open(path / "data.bin", "wb") as f:
-        f.truncate(plan_layout(schema, capacity).data_bytes)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """posix_fallocate where the file system has it (tmpfs, ext4, xfs); elsewhere the file stays sparse."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
 
 
 def map_file(file: Path, size: int, writable: bool) -> mmap.mmap | None:

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from ingestd.errors import ConfigError, DaemonAlreadyRunning, SchemaMismatch
+    from ingestd.errors import ConfigError, DaemonAlreadyRunning, SchemaMismatch, StorageFull
     from ingestd.service import config as cfg
 
     try:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon.services.extend(default_services(config))
     try:
         return daemon.run()
-    except (ConfigError, SchemaMismatch) as exc:
+    except (ConfigError, SchemaMismatch, StorageFull) as exc:
         logging.getLogger("ingestd").error("cannot start: %s", exc)
         return EX_CONFIG
     except DaemonAlreadyRunning as exc:
