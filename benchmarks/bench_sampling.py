@@ -1,11 +1,14 @@
 """Sampling benchmark: uniform, prioritized and sequence sampling throughput, and
 update_priorities throughput, while 2 writer processes write CartPole chunks. Prints JSON.
 
-    python benchmarks/bench_sampling.py [--capacity 1000000] [--seconds 2]
+    flock /tmp/ingestd-bench.lock python benchmarks/bench_sampling.py [--capacity 1000000] [--seconds 2]
 
 The storage (under /dev/shm, removed at the end) is first filled with real CartPole
 rollouts (64 sub-envs x 16 steps per chunk, 4 simulated workers), so sequences follow
-real trajectories. TorchRL is compared when importable (optional).
+real trajectories. Every rate is given per wall-clock second (``..._per_s``) and per
+CPU-second of the sampling process (``..._per_cpu_s``: less sensitive to other load on
+the machine), with the load average before and after; "targets" says whether the
+issue's targets are met. TorchRL is compared when importable (optional).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from ingestd.collect.rollout import Rollout
 from ingestd.replay import ReplayReader, ReplayStorage
 
 NUM_ENVS, CHUNK = 64, 16
+TARGETS = {"prioritized_sample_256_per_s": 5000}  # issue #8: prioritized sample(256) calls/s, 2 writers
 
 
 def rollout(worker: int) -> Rollout:
@@ -43,13 +47,37 @@ def writer(path: str, worker: int, stop) -> None:
             store.write(r.chunk(0)[0])
 
 
-def rate(fn, seconds: float) -> float:
+def rate(fn, seconds: float) -> tuple[float, float]:
+    """Calls per wall-clock second and per CPU-second of this process."""
     fn()
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         fn()
         n += 1
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0), n / max(time.process_time() - c0, 1e-9)
+
+
+def measure(path: str, seconds: float) -> dict:
+    out: dict = {}
+
+    def record(name: str, fn, digits: int = 1) -> None:
+        wall, cpu = rate(fn, seconds)
+        out[f"{name}_per_s"], out[f"{name}_per_cpu_s"] = round(wall, digits), round(cpu, digits)
+
+    with ReplayReader(path, seed=0) as uni, ReplayReader(path, seed=1, sampler="prioritized") as pri:
+        for b in (256, 4096):
+            record(f"uniform_sample_{b}", lambda: uni.sample(b))
+            record(f"prioritized_sample_{b}", lambda: pri.sample(b))
+            record(f"sequences_{b}x16", lambda: uni.sample_sequences(b, 16), 2)
+        s = pri.sample(256)
+        prio = np.random.default_rng(0).uniform(0.1, 2.0, 256)
+        record("update_priorities_256", lambda: pri.update_priorities(s, prio))
+    return out
+
+
+def targets(results: dict) -> dict:
+    return {f"{key} >= {goal}": ("met" if results[key] >= goal else "missed") + f" ({results[key]})"
+            for key, goal in TARGETS.items()}
 
 
 def main() -> None:
@@ -77,19 +105,14 @@ def main() -> None:
         for p in procs:
             p.start()
         results: dict = {"capacity": args.capacity, "fill_seconds": round(fill_s, 1), "writers": 2,
-                         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
+                         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                         "loadavg_before": os.getloadavg()}
         w0 = store.write_count
         t0 = time.perf_counter()
-        with ReplayReader(path, seed=0) as uni, ReplayReader(path, seed=1, sampler="prioritized") as pri:
-            for b in (256, 4096):
-                results[f"uniform_sample_{b}_per_s"] = round(rate(lambda: uni.sample(b), args.seconds), 1)
-                results[f"prioritized_sample_{b}_per_s"] = round(rate(lambda: pri.sample(b), args.seconds), 1)
-                results[f"sequences_{b}x16_per_s"] = round(rate(lambda: uni.sample_sequences(b, 16), args.seconds), 2)
-            s = pri.sample(256)
-            prio = np.random.default_rng(0).uniform(0.1, 2.0, 256)
-            update = rate(lambda: pri.update_priorities(s, prio), args.seconds)
-            results["update_priorities_256_per_s"] = round(update, 1)
+        results.update(measure(path, args.seconds))
         results["writer_rows_per_s_during"] = round((store.write_count - w0) / (time.perf_counter() - t0))
+        results["loadavg_after"] = os.getloadavg()
+        results["targets"] = targets(results)
         try:
             import torchrl  # noqa: F401
             results["torchrl"] = "importable (comparison not implemented yet)"

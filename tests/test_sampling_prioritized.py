@@ -1,14 +1,19 @@
-"""Prioritized sampling: the shared sum tree, its statistics (chi-square over many draws),
-max-priority entry of new rows, stale updates, importance weights, and a multi-process
-stress test (two writers and a trainer updating priorities at once)."""
+"""Prioritized sampling: the shared sum tree (its descent against a brute-force prefix-sum
+search), its statistics (chi-square over many draws), max-priority entry of new rows, stale
+updates, importance weights, and a multi-process stress test (two writers and a trainer
+updating priorities at once)."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from sampling_rows import rows
 from scipy import stats
 
@@ -28,6 +33,66 @@ def tree_consistent(tree: PriorityTree) -> bool:
                for l in range(len(tree.levels) - 1))
 
 
+# -- the descent: exactly the brute-force prefix-sum search -----------------------------------------
+def brute_force(leaves: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.cumsum(leaves), u, side="right")
+
+
+def tree_of(path, leaves: np.ndarray) -> PriorityTree:
+    tree = PriorityTree.attach(path, leaves.size)
+    tree.update(np.arange(leaves.size), leaves)
+    return tree
+
+
+def edges_and_between(leaves: np.ndarray, rng, n: int = 2000) -> np.ndarray:
+    """Every interval edge below the total, just below each edge, and random points; all
+    multiples of 1/16, so with leaves in 1/8 steps every sum is exact in float64."""
+    edges = np.unique(np.concatenate(([0.0], np.cumsum(leaves))))
+    total = edges[-1]
+    u = np.concatenate((edges, edges - 1 / 16, rng.integers(0, int(total * 16), n) / 16))
+    return u[(u >= 0) & (u < total)]
+
+
+@pytest.mark.parametrize("capacity", [1, 16, 17, 300, 4096, 4097, 70_000])  # 2 to 6 levels
+@pytest.mark.parametrize("zeros", [0.0, 0.5, 0.97])
+def test_descent_is_the_brute_force_search(shm_dir, capacity, zeros):
+    rng = np.random.default_rng(capacity)
+    leaves = rng.integers(1, 25, capacity) / 8 * (rng.random(capacity) >= zeros)
+    if not leaves.any():
+        leaves[-1] = 1.0
+    tree = tree_of(shm_dir, leaves)
+    try:
+        u = edges_and_between(leaves, rng)
+        got = tree.descend(u)
+        assert (got == brute_force(leaves, u)).all()
+        assert (leaves[got] > 0).all()
+    finally:
+        tree.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=5000).filter(any), st.integers(0, 2**32 - 1))
+def test_descent_property(values, seed):
+    leaves = np.array(values, dtype=np.float64) / 4
+    with tempfile.TemporaryDirectory(prefix="ingestd-test-", dir="/dev/shm") as d:
+        tree = tree_of(Path(d), leaves)
+        try:
+            u = edges_and_between(leaves, np.random.default_rng(seed), 200)
+            assert (tree.descend(u) == brute_force(leaves, u)).all()
+        finally:
+            tree.close()
+
+
+def test_descent_at_the_total_stays_in_the_tree(shm_dir):
+    tree = tree_of(shm_dir, np.ones(5000))
+    try:
+        got = tree.descend(np.array([tree.total, np.nextafter(tree.total, 0), 1e9]))
+        assert (got < tree.leaf_count).all() and got[1] == 4999
+    finally:
+        tree.close()
+
+
+# -- sampling statistics --------------------------------------------------------------------------
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_frequencies_match_priorities_chi_square(shm_dir, alpha):
     with make(shm_dir / "r") as store, ReplayReader(store.path, seed=7, sampler="prioritized", alpha=alpha) as r:

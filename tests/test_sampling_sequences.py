@@ -98,3 +98,63 @@ def test_too_long_or_empty(shm_dir):
     empty = ReplayStorage.create(shm_dir / "e", example_rows(), 100)
     with empty, ReplayReader(empty.path) as r, pytest.raises(EmptyReplay):
         r.sample_sequences(2, 2)
+
+
+def test_rows_written_between_calls_and_a_ring_lapped_between_calls(shm_dir):
+    # the run table is brought up to date incrementally, and rebuilt after falling a ring behind
+    rollouts = checksum_rollouts(3, 4, 5, seed=11)
+    with fill(shm_dir / "r", capacity=600, chunks=40) as store, ReplayReader(store.path, seed=6) as r:
+        for chunks in (3, 7, 200):
+            check_sequences(r.sample_sequences(32, 9), False)
+            for i in range(chunks):
+                store.write(rollouts[i % 3].chunk(0)[0])
+        check_sequences(r.sample_sequences(32, 9, cross_episodes=True), True)
+
+
+def test_layouts_the_run_table_does_not_describe(shm_dir):
+    # env-major chunks and single rows: the table's guesses miss, the forward scan still finds
+    # every continuation
+    rollouts = checksum_rollouts(2, 4, 5, seed=12)
+    with ReplayStorage.create(shm_dir / "r", example_rows(), 3000) as store, \
+            ReplayReader(store.path, seed=7) as r:
+        for i in range(120):
+            rows = rollouts[i % 2].chunk(0)[0]
+            env_major = torch.arange(rows.shape[0]).reshape(5, 4).T.reshape(-1)
+            if i % 3 == 0:
+                for j in range(rows.shape[0]):
+                    store.write(rows[j:j + 1])
+            else:
+                store.write(rows[env_major])
+        td = r.sample_sequences(64, 8)
+        check_sequences(td, False)
+        wi = td.get(("ingestd", "write_index"))
+        assert ((wi[:, 1:] - wi[:, :-1]) == 1).any()  # env-major: the next step is the next row
+
+
+def test_a_worker_that_stopped(shm_dir):
+    # worker 0's trajectories end with its last chunk; worker 1 goes on writing after it
+    rollouts = checksum_rollouts(2, 4, 5, seed=13)
+    with ReplayStorage.create(shm_dir / "r", example_rows(), 5000) as store, \
+            ReplayReader(store.path, seed=8) as r:
+        for i in range(160):
+            store.write(rollouts[0 if i < 60 and i % 2 else 1].chunk(0)[0])
+        for _ in range(3):
+            td = r.sample_sequences(64, 10)
+            check_sequences(td, False)
+        assert set(td.get(("ingestd", "worker"))[:, 0].tolist()) == {0, 1}
+
+
+def test_rows_lapped_while_the_table_is_read(shm_dir):
+    # a writer overwrites the oldest rows between the reader's write_count and its table update
+    with fill(shm_dir / "r", capacity=400, chunks=100) as store, ReplayReader(store.path, seed=9) as r:
+        r.sample_sequences(4, 2)
+        runs = r._sampling._sequences._runs
+        real_refresh, rollouts = runs.refresh, checksum_rollouts(2, 4, 5, seed=14)
+
+        def lapping_refresh(wc):
+            store.write(rollouts[0].chunk(0)[0])
+            store.write(rollouts[1].chunk(0)[0])
+            real_refresh(wc)
+        runs.refresh = lapping_refresh
+        for _ in range(10):  # more than a ring written meanwhile
+            check_sequences(r.sample_sequences(16, 6), False)

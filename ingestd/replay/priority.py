@@ -10,7 +10,12 @@ The tree is a ``K``-ary sum tree (``K = 16``) of float64: level 0 holds one
 leaf per slot (padded with zeros to a power of ``K``), each level above holds
 the sums of ``K`` consecutive entries of the one below, the last level is the
 root (the total). Wide nodes keep the tree shallow: 1M slots is 5 levels, so a
-batch descends in 5 vectorised numpy steps and a change re-sums 5 short runs.
+change re-sums 5 short runs.
+
+A batch finds its leaves (:meth:`PriorityTree.descend`) by searching the widest
+level of at most ``TOP_NODES`` nodes whole, with one ``cumsum`` and one
+``searchsorted`` (cheaper than descending the levels above it one by one), and
+then descending the levels below it, one vectorised step per level (2 at 1M slots).
 
 A leaf holds ``(priority + eps) ** alpha`` (the reader that updates applies its
 ``alpha``); ``0`` means "not sampleable" (never written). Parents are always
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import torch
 
 K = 16
 MAGIC = 0x5052494F_0001  # "PRIO" + 1
@@ -44,7 +50,11 @@ HEADER_WORDS = 8
 H_MAGIC, H_CAPACITY, H_LEAVES, H_LEVELS, H_MAX = 0, 1, 2, 3, 4
 FILE, LOCK = "priority.bin", "priority.lock"
 DEFAULT_MAX = 1.0
-_STRICT = np.triu(np.ones((K, K)), 1)  # x @ _STRICT: exclusive prefix sums along the last axis
+TOP_NODES = 4096  # descend() searches the widest level of at most this many nodes whole
+# children @ _PREFIX: per row, the exclusive then the inclusive prefix sums of the K children
+_PREFIX = np.hstack([np.triu(np.ones((K, K)), 1), np.triu(np.ones((K, K)))])
+_PREFIX_T = torch.from_numpy(_PREFIX)
+_NUMPY_ROWS = 512  # numpy's BLAS goes multithreaded above ~1k rows, and stalls on a busy machine
 assert K == 16  # descend() counts K booleans as two 64-bit words
 
 
@@ -92,6 +102,7 @@ class PriorityTree:
             self.levels.append(np.frombuffer(self._mm, dtype=np.float64, count=size, offset=offset))
             offset += 8 * size
         self._blocks = [level.reshape(-1, K) for level in self.levels[:-1]]  # level l as [parents, K]
+        self._top = min(i for i, size in enumerate(sizes) if size <= TOP_NODES)
         self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
 
     # -- construction ------------------------------------------------------------------
@@ -178,18 +189,25 @@ class PriorityTree:
 
     # -- sampling (no lock) -------------------------------------------------------------
     def descend(self, u: np.ndarray) -> np.ndarray:
-        """The leaf whose prefix-sum interval holds each ``u`` (in ``[0, total)``)."""
-        n = u.size
-        idx = np.zeros(n, dtype=np.int64)
-        rows = np.arange(n)
-        u = u.copy()
-        for block in reversed(self._blocks):
-            children = block[idx]  # [n, K]
-            before = children @ _STRICT  # the sum of the children left of each child
-            passed = (before + children) <= u[:, None]  # monotone: True for the children u lies beyond
+        """The leaf whose prefix-sum interval holds each ``u`` (in ``[0, total)``): the first leaf
+        whose inclusive prefix sum exceeds ``u``, so zero leaves are never chosen.
+
+        A ``u`` at or past the end of a node (a descent racing a change) ends in its last child,
+        possibly a zero leaf or padding past the capacity; the caller draws those again."""
+        top = self.levels[self._top]
+        prefix = np.empty(top.size + 1)
+        prefix[0] = 0.0
+        np.cumsum(top, out=prefix[1:])
+        idx = np.searchsorted(prefix[1:], u, side="right")
+        np.minimum(idx, top.size - 1, out=idx)
+        u = u - prefix[idx]
+        rows = np.arange(u.size)
+        for block in reversed(self._blocks[:self._top]):
+            sums = _prefix_sums(block[idx])  # [n, 2K]: the sums before, and through, each child
+            passed = sums[:, K:] <= u[:, None]  # a prefix of each row: the children u lies beyond
             counts = np.bitwise_count(passed.view(np.uint64))  # K bools = 2 words of 0/1 bytes
             j = np.minimum(counts[:, 0] + counts[:, 1], K - 1)
-            u -= before[rows, j]
+            u -= sums[rows, j]
             idx = idx * K + j
         return idx
 
@@ -204,6 +222,12 @@ class PriorityTree:
         except BufferError:
             pass
         self._mm = None
+
+
+def _prefix_sums(children: np.ndarray) -> np.ndarray:
+    if children.shape[0] <= _NUMPY_ROWS:
+        return children @ _PREFIX
+    return (torch.from_numpy(children) @ _PREFIX_T).numpy()
 
 
 def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:

@@ -33,6 +33,7 @@ INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
 POLICY_VERSION = ("ingestd", "policy_version")
 _REJECT_ROUNDS = 32  # rounds of re-drawing rejected rows before listing the eligible slots
 _MAX_ROUNDS = 256
+_DRAW_ROUNDS = 8  # descents per prioritized draw before giving up (the tree keeps changing)
 _POLL_S = 0.002
 PRIORITY_EPS = 1e-6
 
@@ -92,7 +93,7 @@ class Sampling:
         def attempt():
             out = self._sequences.sample(batch, length, cross_episodes)
             if out is not None:
-                self._note_lag(out.get(POLICY_VERSION))
+                self._note_lag(out)
             return out
         return self._blocking(attempt, batch * length, timeout)
 
@@ -172,7 +173,7 @@ class Sampling:
         if self.tree is None and self._min_version is None:
             out = r._sample(n)
             if out is not None:
-                self._note_lag(out.get(POLICY_VERSION))
+                self._note_lag(out)
             return out
         draw = self._draw_prioritized if self.tree is not None else (lambda m: r._draw(m, filled))
         got = self._gather(n, draw, filled)
@@ -181,8 +182,8 @@ class Sampling:
         records, columns, slots = got
         out = r._assemble(records, columns, n)
         if self.tree is not None:
-            self._add_priority_keys(out, slots, filled)
-        self._note_lag(out.get(POLICY_VERSION))
+            self._add_priority_keys(out, slots)
+        self._note_lag(out)
         return out
 
     def _gather(self, n: int, draw: Callable[[int], np.ndarray | None], filled: int):
@@ -237,38 +238,35 @@ class Sampling:
         return np.flatnonzero(ok)
 
     def _draw_prioritized(self, m: int) -> np.ndarray | None:
-        tree = self.tree
-        for _ in range(8):
+        """``m`` slots drawn by priority. A descent racing a change may end on a zero leaf (a slot
+        never written or cleared, or padding past the capacity): those few are drawn again."""
+        tree, rng = self.tree, self.reader._rng
+        slots = np.empty(0, dtype=np.int64)
+        for _ in range(_DRAW_ROUNDS):
             total = tree.total
             if total <= 0:
                 return None
-            slots = tree.descend(self.reader._rng.random(m) * total)
-            bad = (slots >= self.reader.capacity)
-            if not bad.any():
-                bad = tree.levels[0][slots] <= 0
-                if not bad.any():
-                    return slots
-            keep = slots[~bad]  # a descent raced a change: draw the few again
-            if keep.size == m:
+            more = tree.descend(rng.random(m - slots.size) * total)
+            slots = np.concatenate((slots, more)) if slots.size else more
+            zero = tree.levels[0][slots] == 0
+            if not zero.any():
                 return slots
-            more = tree.descend(self.reader._rng.random(m - keep.size) * total)
-            slots = np.concatenate((keep, more))
-            if (slots < self.reader.capacity).all() and (tree.levels[0][slots] > 0).all():
-                return slots
+            slots = slots[~zero]
         return None
 
-    def _add_priority_keys(self, out: TensorDict, slots: np.ndarray, filled: int) -> None:
-        tree = self.tree
-        total = tree.total
-        p = tree.levels[0][slots] / total if total > 0 else np.ones(slots.size)
-        p = np.maximum(p, np.finfo(np.float64).tiny)
-        w = (filled * p) ** -self.beta
-        w /= w.max()
+    def _add_priority_keys(self, out: TensorDict, slots: np.ndarray) -> None:
+        """Importance weights ``(N * P(i)) ** -beta`` over the batch's largest: ``N`` and the total
+        cancel, leaving ``(min leaf / leaf) ** beta``."""
+        leaf = np.maximum(self.tree.levels[0][slots], np.finfo(np.float64).tiny)  # cleared since the draw
+        w = (leaf.min() / leaf) ** self.beta
         out.set(INDEX, torch.from_numpy(slots.copy()))
         out.set(WEIGHT, torch.from_numpy(w.astype(np.float32)))
 
-    def _note_lag(self, versions: torch.Tensor | None) -> None:
-        if versions is None or self.weights_version is None or versions.numel() == 0:
+    def _note_lag(self, out: TensorDict) -> None:
+        if self.weights_version is None:
+            return
+        versions = out.get(POLICY_VERSION, None)
+        if versions is None or versions.numel() == 0:
             return
         lag = self.weights_version() - versions
         self.last_lag = (int(lag.min()), float(lag.double().mean()), int(lag.max()))

@@ -6,10 +6,18 @@ write indices, so inside a chunk the next step of sub-env ``e`` is ``num_envs``
 rows further; the chunk's last step continues at sub-env ``e`` of the worker's
 next chunk, after whatever other workers wrote in between. The continuation of
 a row is therefore *the first later row with the same worker and env stamps*.
-The sampler finds it with one gathered check at the learned stride (the
-smallest distance seen so far for that sequence, which is ``num_envs``) and a
-scan of the stamps forward when that check fails (a chunk boundary), so it
-needs no knowledge of the workers' settings.
+
+To find it without scanning, the sampler keeps a table of *runs* (maximal ranges
+of rows written by one worker, i.e. one or more whole chunks): where each run
+starts, its width (``num_envs``: the largest env stamp + 1) and the next run of
+the same worker. Each call brings the table up to date by reading only the rows
+committed since the previous call. The next row of a row is then ``width`` rows
+further inside its run, else at the same place within a step of the worker's
+next run: one vectorised computation for the whole batch. A proposed row is used
+only if its slot holds that write index with the same worker and env stamps;
+otherwise (rows written in another layout, overwritten, or past the table) the
+stamps are scanned forward, so correctness needs no knowledge of the workers'
+settings.
 
 Every candidate sequence is then copied with the usual seqlock check and
 verified *on the copied rows*: each row's ``write_index`` stamp is the one the
@@ -32,6 +40,8 @@ WORKER, ENV, EPISODE, STEP, WRITE_INDEX = (("ingestd", f) for f in ("worker", "e
 DONE = ("next", "done")
 _SCAN_BLOCKS = (256, 4096, 65536, 1 << 20)  # rows scanned forward for a continuation, growing
 _MAX_ROUNDS = 64
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_WORKER = np.iinfo(np.int64).min  # the run-table worker of rows that are gone or were never written
 
 
 class SequenceSampler:
@@ -40,9 +50,11 @@ class SequenceSampler:
     def __init__(self, reader):
         self.reader = reader
         r = reader
-        self._w, self._e = r._arrays[WORKER], r._arrays[ENV]
+        self._w, self._e, self._ep = r._arrays[WORKER], r._arrays[ENV], r._arrays[EPISODE]
         self._wi = r._arrays[WRITE_INDEX]
         self._fields = {k: self._field_view(k) for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, DONE)}
+        self._runs = _Runs(self._w, self._e, r.seq, r.capacity)
+        self._yield = 0.5  # the share of drawn starts that became sequences lately: sizes the next draw
 
     def _field_view(self, key):
         """``records -> [m, ...] view`` of one small leaf inside gathered records."""
@@ -67,10 +79,13 @@ class SequenceSampler:
             filled = len(r)
             if filled == 0:
                 return None
-            got = self._round(min(2 * need + 8, 4 * batch), length, cross_episodes, filled)
+            drawn = min(int(1.25 * need / max(self._yield, 1 / 64)) + 8, 64 * batch)
+            got = self._round(drawn, length, cross_episodes, filled)
+            accepted = 0 if got is None else got[0].shape[0]
+            self._yield = 0.5 * self._yield + 0.5 * accepted / drawn
             if got is not None:
                 records, columns = got
-                take = min(need, records.shape[0])
+                take = min(need, accepted)
                 done_records.append(records[:take].reshape(-1))
                 done_columns.append([c[:take].reshape(-1, *c.shape[2:]) for c in columns])
                 need -= take
@@ -86,33 +101,32 @@ class SequenceSampler:
     # -- one round: draw, follow, copy, verify ------------------------------------------------
     def _round(self, n: int, length: int, cross: bool, filled: int):
         r = self.reader
+        cap = r.capacity
         wc = r.write_count
-        oldest = wc - r.capacity
+        self._runs.refresh(wc)
         starts = r._draw(n, filled)
-        wi = np.full((n, length), -1, dtype=np.int64)
-        wi[:, 0] = self._wi[starts]
-        ok = (wi[:, 0] >= max(oldest, 0)) & (wi[:, 0] < wc) & (wi[:, 0] % r.capacity == starts)
-        worker, env = self._w[starts], self._e[starts]
-        stride = np.zeros(n, dtype=np.int64)  # 0: not learned yet
+        first = self._wi[starts]
+        live = (first >= max(wc - cap, 0)) & (first < wc) & (first % cap == starts)
+        starts = starts[live]
+        wi = np.empty((starts.size, length), dtype=np.int64)
+        wi[:, 0] = first[live]
+        worker, env, episode = self._w[starts], self._e[starts], self._ep[starts]
+        run = self._runs.locate(wi[:, 0])
+        alive = np.arange(starts.size)
         for k in range(1, length):
-            idx = np.flatnonzero(ok)
-            if idx.size == 0:
-                return None
-            cur = wi[idx, k - 1]
-            nxt = self._follow(cur, stride[idx], worker[idx], env[idx], wc)
+            nxt, run = self._follow(wi[alive, k - 1], run, worker[alive], env[alive], wc)
             good = nxt >= 0
-            ok[idx[~good]] = False
-            idx, cur, nxt = idx[good], cur[good], nxt[good]
-            wi[idx, k] = nxt
-            dist = nxt - cur
-            stride[idx] = np.where(stride[idx] > 0, np.minimum(stride[idx], dist), dist)
-        idx = np.flatnonzero(ok)
-        if idx.size == 0:
+            if not cross:  # an early cut only: the copied rows are verified below
+                good &= self._ep[nxt % cap] == episode[alive]
+            alive, run = alive[good], run[good]
+            if alive.size == 0:
+                return None
+            wi[alive, k] = nxt[good]
+        if alive.size == 0:
             return None
-        wi = wi[idx]
-        m = idx.size
-        slots = (wi % r.capacity).reshape(-1)
-        records, columns, bad = r._copy(slots)
+        wi = wi[alive]
+        m = alive.size
+        records, columns, bad = r._copy((wi % cap).reshape(-1))
         valid = self._verify(records, bad, wi, m, length, cross)
         if not valid.any():
             return None
@@ -120,35 +134,41 @@ class SequenceSampler:
         columns = [c.reshape(m, length, *c.shape[1:])[valid] for c in columns]
         return records, columns
 
-    def _follow(self, cur: np.ndarray, stride: np.ndarray, worker: np.ndarray, env: np.ndarray,
-                wc: int) -> np.ndarray:
-        """Write index of the next row of each ``(worker, env)`` after ``cur``, or -1."""
+    def _follow(self, cur: np.ndarray, run: np.ndarray, worker: np.ndarray, env: np.ndarray,
+                wc: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write index of the next row of each ``(worker, env)`` after ``cur`` (or -1), and its run."""
         cap = self.reader.capacity
-        cand = cur + np.where(stride > 0, stride, 1)
-        inside = cand < wc
+        cand, run, run_end, ended = self._runs.step(cur, run)
         slots = cand % cap
-        hit = inside & (self._wi[slots] == cand) & (self._w[slots] == worker) & (self._e[slots] == env)
+        hit = (cand >= 0) & (cand < wc) & (self._wi[slots] == cand) & (self._w[slots] == worker) \
+            & (self._e[slots] == env)
         out = np.where(hit, cand, -1)
-        for i in np.flatnonzero(~hit):
-            out[i] = self._scan(int(cur[i]), int(worker[i]), int(env[i]), wc)
-        return out
+        miss = np.flatnonzero(~hit)
+        for i in miss:
+            c, w, e = int(cur[i]), int(worker[i]), int(env[i])
+            if ended[i]:  # no later run of this worker in the table: the rest of its run, then past the table
+                found = self._scan(c + 1, int(run_end[i]), w, e)
+                out[i] = found if found >= 0 else self._scan(max(self._runs.upto, c + 1), wc, w, e)
+            else:
+                out[i] = self._scan(c + 1, min(wc, c + cap), w, e)
+        if miss.size:
+            run[miss] = self._runs.locate(out[miss])
+        return out, run
 
-    def _scan(self, cur: int, worker: int, env: int, wc: int) -> int:
-        """The first write index after ``cur`` whose row has these worker and env stamps, or -1."""
+    def _scan(self, lo: int, hi: int, worker: int, env: int) -> int:
+        """The first write index in ``[lo, hi)`` whose row has these worker and env stamps, or -1."""
         cap = self.reader.capacity
-        lo = cur + 1
+        start = lo
         for block in _SCAN_BLOCKS:
-            hi = min(cur + 1 + block, wc, cur + cap)
-            if lo >= hi:
+            stop = min(lo + block, hi)
+            if start >= stop:
                 return -1
-            for start, stop in _ring_ranges(lo, hi, cap):
-                s0 = start % cap
-                w = self._w[s0:s0 + stop - start]
-                e = self._e[s0:s0 + stop - start]
-                found = np.flatnonzero((w == worker) & (e == env))
+            for a, b in _ring_ranges(start, stop, cap):
+                s0 = a % cap
+                found = np.flatnonzero((self._w[s0:s0 + b - a] == worker) & (self._e[s0:s0 + b - a] == env))
                 if found.size:
-                    return start + int(found[0])
-            lo = hi
+                    return a + int(found[0])
+            start = stop
         return -1
 
     def _verify(self, records: np.ndarray, bad, wi: np.ndarray, m: int, length: int, cross: bool) -> np.ndarray:
@@ -170,6 +190,77 @@ class SequenceSampler:
             same |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
         ok &= same.all(1)
         return ok
+
+
+class _Runs:
+    """The run table (see the module docstring), in write indices: ``starts`` (sorted),
+    ``workers``, ``widths``, ``ends`` and ``next`` (the index of the worker's next run, or -1)
+    of the runs holding rows ``[.., upto)``."""
+
+    def __init__(self, worker: np.ndarray, env: np.ndarray, seq: np.ndarray, capacity: int):
+        self._w, self._e, self._seq, self._cap = worker, env, seq, capacity
+        self.upto = 0
+        self.starts = self.workers = self.widths = self.ends = self.next = _EMPTY
+
+    def refresh(self, wc: int) -> None:
+        """Add the rows written since the last call, in write order up to the first one still
+        being written, and drop the runs that have left the ring. Rows already overwritten
+        (the oldest, lapped by the writers) and rows left unwritten long ago (a writer that
+        died) join the table as runs of no worker."""
+        oldest = max(wc - self._cap, 0)
+        if self.upto < oldest:  # more than a ring behind: start again from the oldest row
+            self.upto, self.starts, self.workers, self.widths = oldest, _EMPTY, _EMPTY, _EMPTY
+        index = np.arange(self.upto, wc)
+        slots = index % self._cap
+        seq = self._seq[slots]
+        expected = 2 * index + 2
+        pending = np.flatnonzero((seq < expected) & (index >= wc - self._cap // 4))
+        n = int(pending[0]) if pending.size else index.size
+        if n:
+            w = np.where(seq[:n] == expected[:n], self._w[slots[:n]], _NO_WORKER)
+            self._append(w, self._e[slots[:n]])
+        keep = max(int(np.searchsorted(self.starts, oldest, side="right")) - 1, 0)
+        if n == 0 and keep == 0 and self.next.size == self.starts.size:  # no change since the last link
+            return
+        self.starts, self.workers, self.widths = self.starts[keep:], self.workers[keep:], self.widths[keep:]
+        self.ends = np.append(self.starts[1:], self.upto)
+        order = np.argsort(self.workers, kind="stable")  # by worker, then by start
+        same = self.workers[order[1:]] == self.workers[order[:-1]]
+        self.next = np.full(self.starts.size, -1)
+        self.next[order[:-1][same]] = order[1:][same]
+
+    def _append(self, w: np.ndarray, e: np.ndarray) -> None:
+        cuts = np.concatenate(([0], np.flatnonzero(w[1:] != w[:-1]) + 1))
+        widths = np.maximum(np.maximum.reduceat(e, cuts) + 1, 1)
+        if self.starts.size and self.workers[-1] == w[0]:  # the last run goes on
+            self.widths[-1] = max(self.widths[-1], widths[0])
+            cuts, widths = cuts[1:], widths[1:]
+        self.starts = np.concatenate((self.starts, self.upto + cuts))
+        self.workers = np.concatenate((self.workers, w[cuts]))
+        self.widths = np.concatenate((self.widths, widths))
+        self.upto += w.size
+
+    def locate(self, index: np.ndarray) -> np.ndarray:
+        """The run holding each write index, or -1."""
+        run = np.searchsorted(self.starts, index, side="right") - 1
+        run[(index < 0) | (index >= self.upto)] = -1
+        return run
+
+    def step(self, cur: np.ndarray, run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For rows ``cur`` in runs ``run``: the proposed next row of each trajectory (-1: the
+        table does not know) and its run, the end of the current run, and whether the table
+        holds no later run of the worker."""
+        known = run >= 0
+        if not known.any():
+            return np.full(cur.size, -1), run, cur + 1, known
+        r = np.where(known, run, 0)
+        width, start, end, nxt = self.widths[r], self.starts[r], self.ends[r], self.next[r]
+        cand = cur + width
+        beyond = cand >= end
+        across = self.starts[nxt] + (cur - start) % width  # the same place in a step of the next run
+        cand = np.where(beyond, np.where(nxt >= 0, across, -1), cand)
+        cand[~known] = -1
+        return cand, np.where(beyond | ~known, nxt, r), end, known & beyond & (nxt < 0)
 
 
 def _ring_ranges(lo: int, hi: int, cap: int) -> list[tuple[int, int]]:
