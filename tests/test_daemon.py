@@ -64,6 +64,27 @@ def test_checksum_rows_verify_and_steps_are_contiguous():
     assert_contiguous(rows)
 
 
+def test_pixels_images_rolled_into_their_slots_are_exact():
+    """Image leaves are copied straight into reserved slots (ReplayStorage.reserved): every stored
+    observation is the one of its stamps, also where a chunk wrapped around the ring."""
+    overrides = {"workers.env": "Pixels", "workers.policy": "Random", "workers.count": 2,
+                 "workers.num_envs": 16, "workers.chunk_steps": 8, "replay.capacity": 2000}
+    with DaemonProc(overrides=overrides) as d:
+        d.wait_ready(rows=3 * 2000)  # several laps: some chunks wrapped around the ring
+        assert d.stop() == 0
+        rows = all_rows(d.replay_path)
+    assert rows.batch_size[0] == 2000
+    step = rows["ingestd", "step"]
+    obs, nxt = rows["observation"], rows["next", "observation"]
+    assert (obs[:, -1, 0, 0] == step % 256).all() and (nxt[:, -1, 0, 0] == (step + 1) % 256).all()
+    key = torch.stack([rows["ingestd", f] for f in ("worker", "env", "episode", "step")], 1).numpy()
+    order = np.lexsort(key.T[::-1])
+    key = key[order]
+    follows = (key[1:, :3] == key[:-1, :3]).all(1) & (key[1:, 3] == key[:-1, 3] + 1)
+    first, second = torch.as_tensor(order[:-1][follows]), torch.as_tensor(order[1:][follows])
+    assert first.numel() > 1000 and torch.equal(obs[second], nxt[first]), "a step's observation is not the last one's next"
+
+
 def assert_contiguous(rows) -> None:
     """Per (worker, env): every episode's steps are 0..k without gaps or repeats, and the
     episodes of one incarnation follow each other (nothing lost between chunks)."""

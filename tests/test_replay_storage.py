@@ -2,6 +2,7 @@
 damaged directories (each with a clear error and the store unchanged), disk paths."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -174,6 +175,57 @@ def test_a_failing_fill_leaves_no_slot_odd(shm_dir):
         store.write(rp.template(store.schema, 3))  # the slots were unlocked too
     with ReplayReader(path) as reader:
         assert not rp.bad_rows(reader.sample(200), reader.schema).any()
+
+
+def test_reserved_slots_are_filled_in_place_then_committed(shm_dir):
+    path = filled(shm_dir / "r", "pixels", capacity=64, rows=40)
+    with ReplayStorage.open(path) as store, ReplayReader(path) as reader:
+        with store.reserved(8) as slots:
+            assert (slots.first, slots.n, store.write_count) == (40, 8, 48)
+            assert set(slots.columns) == {("observation",), ("next", "observation")}
+            assert (store.seq[40:48] & 1).all()  # being written: readers re-draw them
+            assert int(reader.gather(np.arange(64)).get(WI).max()) < 40  # never an odd slot
+            batch = rp.rows(store.schema, slots.index)
+            for key, view in slots.columns.items():
+                assert view.shape == (8, 4, 84, 84)
+                view.copy_(batch.get(key))
+                batch.set(key, view)  # the rows are the slots themselves: not copied again
+            slots.commit(batch)
+            assert list(store.seq[40:48]) == [2 * w + 2 for w in range(40, 48)]
+        exact = reader.gather(np.arange(48))
+        assert exact.get(WI).tolist() == list(range(48)) and not rp.bad_rows(exact, reader.schema).any()
+
+
+@pytest.mark.parametrize("case", ["error in the block", "no commit", "wrong row count"])
+def test_uncommitted_reservations_are_cleared(shm_dir, case):
+    path = filled(shm_dir / "r", "pixels", capacity=64, rows=60)
+    with ReplayStorage.open(path) as store:
+        with pytest.raises((RuntimeError, SchemaMismatch)) if case != "no commit" else contextlib.nullcontext():
+            with store.reserved(8) as slots:
+                assert slots.columns == {}  # 60..67 wraps around the ring: no views
+                if case == "error in the block":
+                    raise RuntimeError("env failed mid-chunk")
+                if case == "wrong row count":
+                    slots.commit(rp.template(store.schema, 7))
+        assert store.write_count == 68 and (store.seq[[60, 61, 62, 63, 0, 1, 2, 3]] == 0).all()
+        store.write(rp.rows(store.schema, np.arange(68, 72)))  # the slots were unlocked too
+    with ReplayReader(path) as reader:
+        assert not rp.bad_rows(reader.sample(200), reader.schema).any()
+
+
+def test_reservation_misuse_is_refused(shm_dir):
+    path = filled(shm_dir / "r", capacity=64, rows=10)
+    with ReplayStorage.open(path) as store:
+        for n in (0, 65):
+            with pytest.raises(SchemaMismatch, match="reserve 1 to capacity rows"):
+                with store.reserved(n):
+                    pass
+        with store.reserved(2) as slots:
+            assert slots.columns == {}  # no large leaves
+            slots.commit(rp.rows(store.schema, slots.index))
+            with pytest.raises(RuntimeError, match="already committed"):
+                slots.commit(rp.rows(store.schema, slots.index))
+        assert store.write_count == 12 and list(store.seq[10:12]) == [22, 24]
 
 
 def test_threads_sharing_a_handle(shm_dir):

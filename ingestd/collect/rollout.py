@@ -23,11 +23,15 @@ The hot path is built to add as little as possible to the env and policy:
 
 The rows returned by :meth:`Rollout.chunk` share memory with those buffers:
 they are valid until the next ``chunk()`` call (the worker writes them to the
-storage, which copies them, before rolling the next chunk).
+storage, which copies them, before rolling the next chunk). ``chunk(into=...)``
+copies the large leaves straight into given ``[T * B, ...]`` tensors instead
+(the storage's reserved slots: ``ReplayStorage.reserved``), which saves the
+storage copying them again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -86,16 +90,23 @@ class Rollout:
         self._keep = torch.empty((t, n), dtype=torch.float64)  # 1.0 where the episode goes on
         self._keep_rows = self._keep.unbind(0)
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
-        self._eager: list[tuple] = []  # (key, buffer rows) of large leaves, copied step by step
+        self._eager: list[tuple] = []  # (key, buffer) of large leaves, copied step by step
         self._lazy: list[tuple] = []  # (key, buffer) of small leaves, stacked once per chunk
         self._width = 0  # leaves per transition (stamps included)
         self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
         self._root = env.reset()
 
-    def chunk(self, policy_version: int) -> tuple[TensorDict, Finished]:
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.chunk_steps * self._n
+
+    def chunk(self, policy_version: int, into: Mapping[tuple, torch.Tensor] | None = None
+              ) -> tuple[TensorDict, Finished]:
         """Roll ``chunk_steps`` steps; returns the rows and the finished episodes.
 
-        The rows are views of buffers the next ``chunk()`` overwrites."""
+        The rows are views of buffers the next ``chunk()`` overwrites. ``into`` maps keys
+        (tuples) of large leaves to ``[chunk_steps * num_envs, ...]`` tensors: a leaf whose
+        shape and dtype fit is copied there step by step, and its rows are that tensor."""
         n, steps = self._n, self.chunk_steps
         self._stamps["policy_version"].fill_(policy_version)
         step_rows, episode_rows = self._step_rows, self._episode_rows
@@ -113,13 +124,15 @@ class Rollout:
             self._stamp(root, t)
             transition, root = env.step_and_maybe_reset(policy(root))
             leaves = _leaves_of(transition)
-            if t == 0 and not self._buffers_fit(leaves):
-                self._allocate(leaves)
+            if t == 0:
+                if not self._buffers_fit(leaves):
+                    self._allocate(leaves)
+                eager = self._eager_targets(into)
             if len(leaves) != self._width:
                 raise RuntimeError("the env's transitions do not all have the same keys; every step must "
                                    "produce the same keys")
             dones.append(_done_of(leaves, n))
-            for key, rows in self._eager:  # large leaves: copied while hot, and freed for the env to reuse
+            for key, rows, _ in eager:  # large leaves: copied while hot, and freed for the env to reuse
                 leaf = _pop(leaves, key)
                 if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
                     raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
@@ -135,6 +148,9 @@ class Rollout:
             except (RuntimeError, TypeError):  # torch's message does not name the key
                 raise EnvFault(_changed(key, buf, parts)) from None
         rows = self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
+        for key, _, dest in eager:
+            if dest is not None:
+                rows.set(key, dest)
         finished = self._account()
         check_rows(rows)
         return rows, finished
@@ -182,7 +198,7 @@ class Rollout:
             name = key if len(key) > 1 else key[0]
             self._leaves[name] = buf
             if leaf.numel() * leaf.element_size() >= _EAGER_BYTES:
-                self._eager.append((name, buf.unbind(0)))
+                self._eager.append((name, buf))
             else:
                 self._lazy.append((name, buf))
             rows.set(key, buf.view(total, *leaf.shape[1:]))
@@ -191,6 +207,18 @@ class Rollout:
             raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
                                "root's ('ingestd', ...) entries")
         self._rows, self._width = rows, len(first)
+
+    def _eager_targets(self, into: Mapping[tuple, torch.Tensor] | None) -> list[tuple]:
+        """``(key, per-step rows to copy into, rows tensor from into or None)`` of each large leaf."""
+        out = []
+        for name, buf in self._eager:
+            dest = into.get(name if isinstance(name, tuple) else (name,)) if into else None
+            if (dest is None or dest.dtype != buf.dtype or dest.device != buf.device
+                    or dest.shape != (buf.shape[0] * buf.shape[1], *buf.shape[2:]) or not dest.is_contiguous()):
+                out.append((name, buf.unbind(0), None))
+            else:
+                out.append((name, dest.view(buf.shape).unbind(0), dest))
+        return out
 
     # -- episode accounting --------------------------------------------------------------------
     def _account(self) -> Finished:

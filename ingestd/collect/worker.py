@@ -158,9 +158,21 @@ class Worker:
             self.version = self._apply_weights(weights, policy, self.version)
             t0 = time.perf_counter()
             with self.extras.profile.chunk():
-                rows, finished = rollout.chunk(self.extras.before_chunk(rollout, storage, self.version))
-                storage.write(self.extras.stored(rows))
-            self._account(rows.batch_size[0], finished, time.perf_counter() - t0)
+                frames, finished = self._collect(rollout, storage)
+            self._account(frames, finished, time.perf_counter() - t0)
+
+    def _collect(self, rollout, storage) -> tuple[int, Any]:
+        """Roll one chunk and store it; returns the frames collected and the finished episodes."""
+        version = self.extras.before_chunk(rollout, storage, self.version)
+        if storage.has_columns and self.extras.nstep is None:
+            # large leaves (images) are rolled straight into their reserved slots: one copy fewer
+            with storage.reserved(rollout.rows_per_chunk) as slots:
+                rows, finished = rollout.chunk(version, into=slots.columns)
+                slots.commit(rows)
+            return slots.n, finished
+        rows, finished = rollout.chunk(version)
+        storage.write(self.extras.stored(rows))
+        return rows.batch_size[0], finished
 
     def _apply_weights(self, weights, policy, current: int) -> int:
         if weights is None:

@@ -7,6 +7,12 @@ slot lock makes a writer that laps the ring wait for a slow writer still
 filling a slot, instead of writing under it. Readers (``ReplayReader``)
 never lock: they check each row's sequence number before and after copying
 and re-draw rows that were not committed or changed.
+
+``write`` does all of that in one call. ``reserved`` splits it for a writer
+that produces large leaves (images) one piece at a time: it reserves the
+slots first and hands out views of their columns, the writer fills them in
+place (one copy fewer), then commits the batch; slots left uncommitted are
+cleared, never left odd.
 """
 from __future__ import annotations
 
@@ -79,6 +85,11 @@ class MappedStore:
         self._check_open()
         return int(self._header[files.H_WRITE_COUNT])
 
+    @property
+    def has_columns(self) -> bool:
+        """Whether some leaf is large enough (images) to be stored as its own column."""
+        return bool(self._layout.columns)
+
     def __len__(self) -> int:
         """Rows currently held: ``min(write_count, capacity)`` (rows in flight included)."""
         return min(self.write_count, self.capacity)
@@ -125,7 +136,7 @@ class ReplayStorage(MappedStore):
         except FileNotFoundError:
             super().close()
             raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.RLock()  # held from reservation to commit
         try:  # new rows enter the prioritized-sampling tree at max priority (ingestd.replay.priority)
             self._priorities = PriorityTree.attach(self.path, self.capacity, self.seq)
             limiter.ensure_file(self.path)  # the rate limiter's shared words (ingestd.replay.limiter)
@@ -136,6 +147,7 @@ class ReplayStorage(MappedStore):
         self._expected = {k: (leaf.shape, leaf.dtype) for k, leaf in self.schema.items() if k != WRITE_INDEX}
         self._fields = {k: (a.dtype, self._layout.fields[k], a.shape[1:], a.strides[1:])
                         for k, a in self._arrays.items() if k in self._layout.fields}  # packing plan
+        self._stage = np.zeros(0, self._records.dtype)  # small leaves packed into records, then copied
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -251,18 +263,45 @@ class ReplayStorage(MappedStore):
         n = self._validate(batch)
         if n == 0:
             return self.write_count
+        with self.reserved(n) as slots:
+            self._commit(slots, batch)
+        return slots.first
+
+    @contextmanager
+    def reserved(self, n: int) -> Iterator["Slots"]:
+        """Reserve the slots of the next ``n`` rows (locked and odd) for the block; see :class:`Slots`.
+
+        Slots not committed when the block ends, by an error or otherwise, are cleared
+        (sequence 0: empty, as recovery leaves them). Other threads' writes through this
+        handle wait until the block ends."""
+        if not 0 < n <= self.capacity:
+            raise SchemaMismatch(f"cannot reserve {n} rows in a storage of capacity {self.capacity}; "
+                                 "reserve 1 to capacity rows")
         with self._write_lock:
             index = self._reserve(n)
+            slots = None
             try:
-                self._fill(index, batch)
-                self._set_seq(index, 2 * index + 2)
-            except BaseException:
-                self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
-                raise
+                slots = Slots(self, index)
+                yield slots
             finally:
+                if slots is None or not slots.committed:
+                    self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
                 self._release(index)
-        self._priorities.enter(index % self.capacity)
-        return int(index[0])
+        if slots.committed:
+            self._priorities.enter(index % self.capacity)
+
+    def _commit(self, slots: "Slots", batch: TensorDictBase) -> None:
+        """Fill the reserved slots from a validated batch of their size and mark them committed."""
+        self._fill(slots.index, batch)
+        self._set_seq(slots.index, 2 * slots.index + 2)
+        slots.committed = True
+
+    def _column_views(self, index: np.ndarray) -> dict[Key, torch.Tensor]:
+        """``[n, *shape]`` views of the large leaves' slots of ``index`` (none if it wraps the ring)."""
+        first = int(index[0]) % self.capacity
+        if first + index.size > self.capacity:
+            return {}
+        return {key: self.leaves[key][first:first + index.size] for key in self._layout.columns}
 
     def _reserve(self, n: int) -> np.ndarray:
         """Take write indices ``[start, start+n)``: lock their slots and mark them odd."""
@@ -299,16 +338,23 @@ class ReplayStorage(MappedStore):
         leaves = flat_leaves(batch)
         n = index.size
         segments = self._segments(int(index[0]), n)
-        stage = np.zeros(n, self._records.dtype)
+        if self._stage.size < n:
+            self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
+        stage, record = self._stage[:n], self._layout.record_bytes
         for key, (dtype, offset, shape, strides) in self._fields.items():
-            field = np.ndarray((n, *shape), dtype, stage, offset, (self._layout.record_bytes, *strides))
-            field[...] = index if key == WRITE_INDEX else _as_numpy(leaves[key])
+            value = index if key == WRITE_INDEX else _as_numpy(leaves[key])
+            if value.size > n and value.flags.c_contiguous:  # rows of several elements: one opaque item each
+                item = np.dtype(f"V{value.nbytes // n}")
+                np.ndarray((n,), item, stage, offset, (record,))[...] = value.reshape(n, -1).view(item).reshape(n)
+            else:
+                np.ndarray((n, *shape), dtype, stage, offset, (record, *strides))[...] = value
         for dst, part in segments:
             self._records[dst] = stage[part]
         for key in self._layout.columns:
             src, column = leaves[key], self.leaves[key]
             for dst, part in segments:
-                column[dst].copy_(src[part])
+                if not _same_memory(column[dst], src[part]):  # else filled in place (``reserved``)
+                    column[dst].copy_(src[part])
 
     def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
         """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)``."""
@@ -347,6 +393,37 @@ class ReplayStorage(MappedStore):
             os.close(self._lock_fd)
             self._priorities.close()
         super().close()
+
+
+class Slots:
+    """Slots reserved by :meth:`ReplayStorage.reserved` for write indices ``[first, first + n)``.
+
+    ``columns`` maps each large leaf (a column of ``data.bin``) to the ``[n, *shape]`` view
+    of these slots (empty when the range wraps around the ring). A writer may fill them
+    in place before :meth:`commit`: rows of the batch that already are those views are not
+    copied again. Readers see the slots as being written (odd) until the commit."""
+
+    def __init__(self, storage: ReplayStorage, index: np.ndarray):
+        self._storage, self.index = storage, index
+        self.first, self.n = int(index[0]), int(index.size)
+        self.columns = storage._column_views(index)
+        self.committed = False
+
+    def commit(self, batch: TensorDictBase) -> None:
+        """Store ``batch`` (``n`` rows, as for ``write``) in the slots and mark them committed."""
+        if self.committed:
+            raise RuntimeError(f"slots {self.first}..{self.first + self.n - 1} were already committed")
+        n = self._storage._validate(batch)
+        if n != self.n:
+            raise SchemaMismatch(f"a batch of {n} rows cannot fill {self.n} reserved slots; "
+                                 "commit exactly as many rows as were reserved")
+        self._storage._commit(self, batch)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same view of the same memory (copying one to the other is a no-op)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def describe_diff(have: Mapping[Key, Leaf], want: Mapping[Key, Leaf]) -> str:

@@ -1,0 +1,113 @@
+"""The rollout's chunks: rolled into private buffers or straight into the storage's reserved slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ingestd.collect.envs.base import TorchEnv
+from ingestd.collect.envs.pixels import Pixels
+from ingestd.collect.interfaces import EnvContext, EnvSpec
+from ingestd.collect.policies import Random
+from ingestd.collect.rollout import Rollout
+from ingestd.replay import ReplayReader, ReplayStorage
+
+STEPS, ENVS = 4, 8
+IMAGES = (("observation",), ("next", "observation"))
+
+
+def pixels_rollout(seed: int = 3) -> Rollout:
+    env = Pixels(EnvContext(num_envs=ENVS, seed=seed, worker=1, episode_base=5 << 32), max_steps=3)
+    return Rollout(env, Random(env.spec, seed=seed), 1, 5 << 32, STEPS)
+
+
+def flat(td) -> dict:
+    return {k: v.clone() for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def assert_same_rows(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_rows_rolled_into_given_tensors_equal_the_buffered_ones():
+    buffered, direct = pixels_rollout(), pixels_rollout()
+    into = {key: torch.full((STEPS * ENVS, 4, 84, 84), 7, dtype=torch.uint8) for key in IMAGES}
+    for version in range(3):  # episodes of 3 steps: resets inside and across chunks
+        expected, finished = buffered.chunk(version)
+        rows, got_finished = direct.chunk(version, into=into)
+        assert_same_rows(flat(rows), flat(expected))
+        assert (got_finished.returns, got_finished.lengths) == (finished.returns, finished.lengths)
+        for key in IMAGES:
+            assert rows.get(key).data_ptr() == into[key].data_ptr()  # the rows are the given tensors
+        rows, _ = direct.chunk(version)  # and without into, its own buffers again
+        assert all(rows.get(key).data_ptr() != into[key].data_ptr() for key in IMAGES)
+        buffered.chunk(version)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "not contiguous"])
+def test_unfit_targets_are_not_used(bad):
+    make = {"shape": lambda: torch.zeros(STEPS * ENVS - 1, 4, 84, 84, dtype=torch.uint8),
+            "dtype": lambda: torch.zeros(STEPS * ENVS, 4, 84, 84, dtype=torch.int16),
+            "not contiguous": lambda: torch.zeros(4, STEPS * ENVS, 84, 84, dtype=torch.uint8).transpose(0, 1)}[bad]
+    buffered, direct = pixels_rollout(), pixels_rollout()
+    into = {key: make() for key in IMAGES}
+    rows, _ = direct.chunk(0, into=into)
+    assert_same_rows(flat(rows), flat(buffered.chunk(0)[0]))
+    assert (into[IMAGES[0]] == 0).all()
+
+
+def test_chunks_rolled_into_reserved_slots_are_stored_exactly(shm_dir):
+    buffered, direct = pixels_rollout(), pixels_rollout()
+    example, _ = pixels_rollout().chunk(0)
+    capacity = 3 * STEPS * ENVS - 8  # the third chunk wraps around the ring: no views, copied at commit
+    with ReplayStorage.create(shm_dir / "r", example, capacity) as store, ReplayReader(shm_dir / "r") as reader:
+        for version in range(3):
+            with store.reserved(direct.rows_per_chunk) as slots:
+                assert bool(slots.columns) == (version < 2)
+                rows, _ = direct.chunk(version, into=slots.columns)
+                slots.commit(rows)
+            expected, _ = buffered.chunk(version)
+            got = reader.gather([(slots.first + i) % capacity for i in range(slots.n)])
+            want = flat(expected)
+            assert_same_rows({k: v for k, v in flat(got).items() if k in want}, want)
+
+
+class Noisy(TorchEnv):
+    """Random float32 rewards (not exact in binary) and random episode ends, both ways."""
+
+    def __init__(self, ctx: EnvContext):
+        super().__init__(ctx, EnvSpec((2,), torch.float32, (), torch.int64, 2))
+
+    def _reset(self, mask):
+        return torch.zeros(self.num_envs, 2)
+
+    def _step(self, action):
+        draw = torch.rand(3, self.num_envs, generator=self._gen)
+        return torch.zeros(self.num_envs, 2), draw[0] * 3 - 1, draw[1] < 0.1, draw[2] < 0.05, {}
+
+
+def test_stamps_and_finished_episodes_match_a_step_by_step_account():
+    steps, envs, base = 7, 5, 9 << 32
+    env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base))
+    rollout = Rollout(env, Random(env.spec, seed=1), 2, base, steps)
+    ret, step, episode = [0.0] * envs, [0] * envs, [base] * envs
+    total_finished = 0
+    for version in range(6):
+        rows, finished = rollout.chunk(version)
+        rows = rows.reshape(steps, envs)
+        returns, lengths = [], []
+        for t in range(steps):
+            for i in range(envs):
+                row = rows[t, i]
+                stamps = [int(row["ingestd", f]) for f in ("worker", "env", "episode", "step", "policy_version")]
+                assert stamps == [2, i, episode[i], step[i], version]
+                ret[i] = ret[i] + float(row["next", "reward"])  # float64, in step order
+                step[i] += 1
+                if bool(row["next", "done"]):
+                    returns.append(ret[i])
+                    lengths.append(step[i])
+                    ret[i], step[i], episode[i] = 0.0, 0, episode[i] + 1
+        assert (finished.returns, finished.lengths) == (returns, lengths)  # exactly
+        total_finished += len(returns)
+    assert total_finished > 10
