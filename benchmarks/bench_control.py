@@ -2,10 +2,14 @@
 
     python benchmarks/bench_control.py [--workers 2] [--num-envs 64] [--chunk-steps 16]
                                        [--pauses 30] [--params 1000000 25000000] [--quick]
+                                       [--load-clients 4] [--load-client lean|client]
+                                       [--only pause push queries]
 
 - pause / resume: latency from request to reply (the reply comes once every
-  live worker acknowledged), and the moment the last worker's stats block
-  said so, seen by a poller in this process; frames lost across all pauses
+  live worker acknowledged), split by a poller of the stats blocks in this
+  process into "told" (every worker's ``desired`` word written: the
+  daemon's part) and "acked seen" (every worker paused: the chunk in flight
+  finished); the duration of that last chunk; frames lost across all pauses
   (Checksum env: every (worker, env) stream must stay contiguous) and rows
   written while paused.
 - push_weights: request to reply with wait=True (every worker applied it),
@@ -13,8 +17,14 @@
   next to a raw lz4 compress + decompress + memcpy of the same bytes measured
   in this process.
 - ping / status: closed-loop throughput and p99; then status at a fixed
-  1,000 requests/s while the workers collect, and the ingest rate with and
-  without that load (alternating windows).
+  1,000 requests/s in total from ``--load-clients`` processes while the
+  workers collect: latency (send to reply, and from the scheduled send time:
+  an open loop that falls behind shows here), the ingest rate in alternating
+  idle / loaded windows, and the CPU each party spent per request. The
+  clients share the machine with the workers, so their CPU counts in the
+  slowdown: by default they are lean raw-DEALER loops
+  (``tests/test_control_load.py``); ``--load-client client`` uses
+  ``ControlClient`` (several times the CPU per request).
 
 Uses ``tests/daemon_proc.py`` (the test harness) and ``tests/control_plugins.py``
 (a policy whose weights size is a parameter). Targets are checked in "targets".
@@ -28,6 +38,7 @@ import statistics
 import sys
 import threading
 import time
+from operator import truediv
 from pathlib import Path
 
 import lz4.frame
@@ -38,10 +49,13 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
 from control_plugins import weights  # noqa: E402
+from control_daemon import wait_collecting  # noqa: E402
 from daemon_proc import DaemonProc  # noqa: E402
+from reliability_util import (PLUGIN_ENV, ExternalLoad, idle_and_loaded, load_clients, percentiles,  # noqa: E402
+                              process_cpu)
 
 from ingestd import ControlClient  # noqa: E402
-from ingestd.collect.stats import State, StatsBlock  # noqa: E402
+from ingestd.collect.stats import Desired, State, StatsBlock  # noqa: E402
 
 
 def ms(seconds: float) -> float:
@@ -61,18 +75,13 @@ def start(args, env: str, pad: int = 0, capacity: int = 2_000_000) -> DaemonProc
                  "workers.policy": "control_plugins:readable", "workers.policy_kwargs": {"pad": pad},
                  "replay.capacity": capacity, "metrics.enabled": False,
                  "control.max_message_bytes": 512 << 20, "control.ack_timeout_s": 30.0}
-    d = DaemonProc(overrides=overrides, env={"PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    d = DaemonProc(overrides=overrides, env=PLUGIN_ENV)
     d.start()
-    with ControlClient(d.control_address, timeout=1.0, retries=0) as c:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert d.proc.poll() is None, d.log()
-            try:
-                if all(w.frames > 0 for w in c.status().workers):
-                    break
-            except Exception:
-                pass
-            time.sleep(0.1)
+    try:
+        wait_collecting(d, timeout=120)
+    except BaseException:
+        d.close()
+        raise
     time.sleep(1.0)  # let the collection settle
     return d
 
@@ -85,37 +94,48 @@ def chunk_seconds(stats: StatsBlock, workers: int) -> float:
     return statistics.median(samples)
 
 
-def all_in(stats: StatsBlock, workers: int, state: State, stop: threading.Event, out: list) -> None:
-    """Poll the stats blocks; record when every worker is in ``state``."""
+def watch(stats: StatsBlock, workers: int, desired: Desired, state: State, stop: threading.Event, out: dict) -> None:
+    """Poll the stats blocks; record when every worker has been told (its ``desired`` word) and
+    when every worker is in ``state``."""
     while not stop.is_set():
+        now = time.perf_counter()
+        if "told" not in out and all(int(stats[i]["desired"]) == desired for i in range(workers)):
+            out["told"] = now
         if all(int(stats[i]["state"]) == state for i in range(workers)):
-            out.append(time.perf_counter())
+            out.setdefault("told", now)
+            out["acked"] = now
             return
-        time.sleep(0.0001)
+        time.sleep(0.0005)  # finer polling would take the workers' CPU and lengthen their chunks
 
 
 def bench_pause(args) -> dict:
+    """Pause latency = told (request to every ``desired`` word written: the daemon) + the chunk
+    in flight (told to every worker paused: the workers) + the reply (the daemon and the client)."""
     d = start(args, "Checksum")
     try:
         stats = StatsBlock(d.runtime_dir / "workers.stats")
         chunk = chunk_seconds(stats, args.workers)
+        chunks = []
         c = ControlClient(d.control_address, timeout=10)
         first = c.status().replay.write_count
-        lat = {"pause": [], "resume": [], "pause_acked": [], "resume_acked": []}
+        lat = {f"{verb}_{part}": [] for verb in ("pause", "resume") for part in ("reply", "told", "acked")}
         written_while_paused = 0
         for _ in range(args.pauses):
-            for verb, target in (("pause", State.PAUSED), ("resume", State.RUNNING)):
-                seen, stop = [], threading.Event()
-                watcher = threading.Thread(target=all_in, args=(stats, args.workers, target, stop, seen))
+            for verb, desired, target in (("pause", Desired.PAUSE, State.PAUSED),
+                                          ("resume", Desired.RUN, State.RUNNING)):
+                seen, stop = {}, threading.Event()
+                watcher = threading.Thread(target=watch, args=(stats, args.workers, desired, target, stop, seen))
                 t0 = time.perf_counter()
                 watcher.start()
                 getattr(c, verb)()
                 t1 = time.perf_counter()
                 stop.set()
                 watcher.join()
-                lat[verb].append(t1 - t0)
-                lat[f"{verb}_acked"].append((seen[0] if seen else t1) - t0)
+                lat[f"{verb}_reply"].append(t1 - t0)
+                lat[f"{verb}_told"].append(seen.get("told", t1) - t0)
+                lat[f"{verb}_acked"].append(seen.get("acked", t1) - t0)
                 if verb == "pause":
+                    chunks += [float(stats[i]["chunk_seconds"]) for i in range(args.workers)]
                     frozen = c.status().replay.write_count
                     time.sleep(0.02)
                     written_while_paused += c.status().replay.write_count - frozen
@@ -128,9 +148,10 @@ def bench_pause(args) -> dict:
         lost, checked = frames_lost(d.replay_path, first, last)
     finally:
         d.close()
-    return {"chunk_ms": ms(chunk), "pause": summary(lat["pause"]), "resume": summary(lat["resume"]),
-            "pause_all_acked_seen": summary(lat["pause_acked"]),
-            "resume_all_acked_seen": summary(lat["resume_acked"]),
+    return {"chunk_ms": ms(chunk), "last_chunk_before_pause": summary(chunks),
+            "pause": summary(lat["pause_reply"]), "resume": summary(lat["resume_reply"]),
+            "pause_all_told": summary(lat["pause_told"]), "pause_all_acked_seen": summary(lat["pause_acked"]),
+            "resume_all_told": summary(lat["resume_told"]), "resume_all_acked_seen": summary(lat["resume_acked"]),
             "pauses": args.pauses, "rows_checked": checked, "frames_lost": lost,
             "rows_written_while_paused": written_while_paused}
 
@@ -201,58 +222,71 @@ def bench_push(args, n: int) -> dict:
             "baseline_lz4_roundtrip_plus_memcpy": baseline(n, repeat)}
 
 
-def ingest_rate(c: ControlClient, seconds: float) -> float:
-    w0, t0 = c.status().replay.write_count, time.perf_counter()
-    time.sleep(seconds)
-    return (c.status().replay.write_count - w0) / (time.perf_counter() - t0)
+def status_load(args, d: DaemonProc) -> dict:
+    """Open loop: ``args.load_clients`` client processes sending status at 1,000 requests/s in
+    total during alternating idle/loaded windows; ingest read from the replay header (no control
+    traffic), CPU from /proc per process (daemon, workers, clients)."""
+    from ingestd.replay import ReplayReader
+
+    pids = [w.pid for w in _status(d).workers]
+    start = time.monotonic() + 5.0  # the clients start meanwhile
+    with load_clients(d.control_address, args.load_clients, 1000.0, start, args.window, args.rounds,
+                      args.load_client) as results:
+        counts = []
+        with ReplayReader(d.replay_path) as reader:
+            for edge in [start + k * args.window for k in range(2 * args.rounds + 1)]:
+                time.sleep(max(0.0, edge - time.monotonic()))
+                counts.append((reader.write_count, time.monotonic(), process_cpu(d.proc.pid),
+                               sum(process_cpu(p) for p in pids)))
+                if len(counts) == 1:
+                    external = ExternalLoad()
+        external_share = external.stop()
+    (idle, loaded), daemon_cpu, worker_cpu, seconds = idle_and_loaded(counts)
+    latency = np.concatenate([r["latency"] for r in results])
+    late = np.concatenate([r["late"] for r in results])
+    requests = latency.size
+    p50, p99, worst = percentiles(latency, 50, 99, 100)
+    s50, s99 = percentiles(latency + late, 50, 99)
+    return {
+        "clients": args.load_clients, "client": args.load_client,
+        "external_cpu_share": round(external_share, 3),  # of the machine, used by processes not ours
+        "achieved_per_s": round(requests / seconds[1]),
+        "latency": {"p50_ms": ms(p50), "p99_ms": ms(p99), "max_ms": ms(worst)},
+        "from_schedule": {"p50_ms": ms(s50), "p99_ms": ms(s99)},
+        "ingest_rows_per_s": {"idle": round(statistics.fmean(idle)), "loaded": round(statistics.fmean(loaded)),
+                              "slowdown_pct": round(100 * (1 - statistics.median(map(truediv, loaded, idle))), 2),
+                              "idle_windows": [round(r) for r in idle], "loaded_windows": [round(r) for r in loaded]},
+        "worker_cores": {"idle": round(worker_cpu[0] / seconds[0], 3), "loaded": round(worker_cpu[1] / seconds[1], 3)},
+        "cpu_us_per_request": {
+            "daemon": round(1e6 * (daemon_cpu[1] / seconds[1] - daemon_cpu[0] / seconds[0]) * seconds[1] / requests, 1),
+            "clients": round(1e6 * sum(float(r["cpu_s"]) for r in results) / requests, 1)},
+    }
 
 
-def load(address: str, rate: float, seconds: float, out: list) -> None:
-    """Open loop: one status request every 1/rate s; latency measured from the scheduled time."""
-    with ControlClient(address, timeout=5) as c:
-        start_t = time.perf_counter()
-        k = 0
-        while True:
-            due = start_t + k / rate
-            now = time.perf_counter()
-            if due - start_t >= seconds:
-                return
-            if due > now:
-                time.sleep(due - now)
-            c.status()
-            out.append(time.perf_counter() - due)
-            k += 1
+def _status(d: DaemonProc):
+    with ControlClient(d.control_address, timeout=5) as c:
+        return c.status()
 
 
 def bench_queries(args) -> dict:
     d = start(args, "CartPole")
     try:
-        c = ControlClient(d.control_address, timeout=5)
         result = {}
-        for name, call in (("ping", c.ping), ("status", c.status)):
-            lat, t_end = [], time.perf_counter() + args.window
-            while time.perf_counter() < t_end:
-                t0 = time.perf_counter()
-                call()
-                lat.append(time.perf_counter() - t0)
-            result[f"{name}_closed_loop"] = {"per_s": round(len(lat) / args.window), **summary(lat)}
-        base, loaded, lat = [], [], []
-        for _ in range(args.rounds):
-            base.append(ingest_rate(c, args.window))
-            worker = threading.Thread(target=load, args=(d.control_address, 1000.0, args.window, lat))
-            worker.start()
-            loaded.append(ingest_rate(c, args.window))
-            worker.join()
-        c.close()
+        with ControlClient(d.control_address, timeout=5) as c:
+            for name, call in (("ping", c.ping), ("status", c.status)):
+                lat, t_end = [], time.perf_counter() + args.window
+                while time.perf_counter() < t_end:
+                    t0 = time.perf_counter()
+                    call()
+                    lat.append(time.perf_counter() - t0)
+                result[f"{name}_closed_loop"] = {"per_s": round(len(lat) / args.window), **summary(lat)}
+        result["status_at_1000_per_s"] = status_load(args, d)
     finally:
         d.close()
-    result["status_at_1000_per_s"] = {"achieved_per_s": round(len(lat) / (args.window * args.rounds)),
-                                      **summary(lat)}
-    idle, busy = statistics.fmean(base), statistics.fmean(loaded)
-    result["ingest_rows_per_s"] = {"idle": round(idle), "under_status_load": round(busy),
-                                   "slowdown_pct": round(100 * (1 - busy / idle), 2),
-                                   "idle_windows": [round(r) for r in base], "loaded_windows": [round(r) for r in loaded]}
     return result
+
+
+PARTS = ("pause", "push", "queries")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--params", type=int, nargs="*", default=[1_000_000, 25_000_000])
     p.add_argument("--window", type=float, default=3.0, help="seconds per measurement window")
     p.add_argument("--rounds", type=int, default=3, help="idle/loaded window pairs for the ingest slowdown")
+    p.add_argument("--load-clients", type=int, default=4, help="processes sharing the 1,000 status requests/s")
+    p.add_argument("--load-client", choices=("lean", "client"), default="lean",
+                   help="lean: a raw DEALER (tests/test_control_load.py); client: ControlClient")
+    p.add_argument("--only", choices=PARTS, nargs="*", default=list(PARTS), help="parts to run")
     p.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -272,20 +310,23 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     out = {"settings": {k: v for k, v in vars(args).items()}, "cpus": len(os.sched_getaffinity(0)),
            "loadavg_1m_before": round(os.getloadavg()[0], 2)}
-    out["pause"] = bench_pause(args)
-    out["push_weights"] = [bench_push(args, n - 1) for n in args.params]
-    out.update(bench_queries(args))
+    targets = out["targets"] = {}
+    if "pause" in args.only:
+        out["pause"] = pause = bench_pause(args)
+        targets["pause_p99_within_chunk_plus_10ms"] = pause["pause"]["p99_ms"] <= pause["chunk_ms"] + 10
+        targets["frames_lost_zero"] = pause["frames_lost"] == 0 and pause["rows_written_while_paused"] == 0
+    if "push" in args.only:
+        out["push_weights"] = [bench_push(args, n - 1) for n in args.params]
+        push_1m = next((r for r in out["push_weights"] if r["params"] <= 2_000_000), None)
+        if push_1m is not None:
+            targets["push_1m_p99_within_chunk_plus_50ms"] = \
+                push_1m["request_to_all_applied"]["p99_ms"] <= push_1m["chunk_ms"] + 50
+    if "queries" in args.only:
+        out.update(bench_queries(args))
+        load = out["status_at_1000_per_s"]
+        targets["status_p99_at_1000_per_s_le_5ms"] = load["from_schedule"]["p99_ms"] <= 5
+        targets["ingest_slowdown_le_5pct"] = load["ingest_rows_per_s"]["slowdown_pct"] <= 5
     out["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # > cpus: other processes shared the machine
-    chunk = out["pause"]["chunk_ms"]
-    push_1m = next((r for r in out["push_weights"] if r["params"] <= 2_000_000), None)
-    out["targets"] = {
-        "pause_p99_within_chunk_plus_10ms": out["pause"]["pause"]["p99_ms"] <= chunk + 10,
-        "frames_lost_zero": out["pause"]["frames_lost"] == 0 and out["pause"]["rows_written_while_paused"] == 0,
-        "push_1m_p99_within_chunk_plus_50ms": None if push_1m is None else
-        push_1m["request_to_all_applied"]["p99_ms"] <= push_1m["chunk_ms"] + 50,
-        "status_p99_at_1000_per_s_le_5ms": out["status_at_1000_per_s"]["p99_ms"] <= 5,
-        "ingest_slowdown_le_5pct": out["ingest_rows_per_s"]["slowdown_pct"] <= 5,
-    }
     print(json.dumps(out, indent=2))
 
 

@@ -103,7 +103,13 @@ def rows_between(replay_path, first: int, last: int):
     index = rows.get(("ingestd", "write_index"))
     keep = ((index >= first) & (index < last)).nonzero().squeeze(-1)
     rows = rows[keep]
-    return rows[torch.argsort(rows.get(("ingestd", "write_index")))]
+    rows = rows[torch.argsort(rows.get(("ingestd", "write_index")))]
+    # once the ring is full, slots the writers overwrite during the gather come back as stand-in
+    # draws of other committed rows (ReplayReader.gather): drop those repeats
+    index = rows.get(("ingestd", "write_index"))
+    first_seen = torch.ones_like(index, dtype=torch.bool)
+    first_seen[1:] = index[1:] != index[:-1]
+    return rows[first_seen]
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,11 @@ imports this module when the session starts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -507,32 +509,38 @@ def slow_checksum(ctx, step_s: float = 0.001):
 
 
 # -- status load (run in client processes: ``python -m reliability_util load ...``) ------------
-def status_load(address: str, rate: float, start: float, window: float, rounds: int, out: str) -> None:
-    """Open loop: ``rate`` status requests/s during the loaded windows
-    ``[start + (2k+1) * window, start + (2k+2) * window)``, k < ``rounds``; saves to ``out`` (npz)
-    each request's latency (send to decoded reply, seconds), its lateness against the schedule,
-    and the CPU seconds this client spent in the loaded windows."""
-    from ingestd.control.client import ControlClient
-    from ingestd.control.commands import GetStatus
-
-    latency, late, cpu = [], [], 0.0
-    with ControlClient(address, timeout=5.0, retries=0) as client:
-        for k in range(rounds):
-            t0, t1 = start + (2 * k + 1) * window, start + (2 * k + 2) * window
-            n, cpu0 = 0, time.process_time()
-            while (due := t0 + n / rate) < t1:
-                now = time.monotonic()
-                if due > now:
-                    time.sleep(due - now)
-                sent = time.monotonic()
-                assert client.request(GetStatus()).ok
-                latency.append(time.monotonic() - sent)
-                late.append(sent - due)
-                n += 1
-            cpu += time.process_time() - cpu0
-    np.savez(out, latency=np.array(latency), late=np.array(late), cpu_s=np.array(cpu))
+def idle_and_loaded(counts: list[tuple[int, float, float, float]]):
+    """``(rates, daemon CPU s, worker CPU s, seconds)``, each ``[idle, loaded]``, from samples
+    ``(write_count, time, daemon CPU, workers' CPU)`` at the edges of alternating windows."""
+    rates, daemon_cpu, worker_cpu, seconds = ([], []), [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    for k, ((c0, t0, u0, w0), (c1, t1, u1, w1)) in enumerate(zip(counts, counts[1:])):
+        rates[k % 2].append((c1 - c0) / (t1 - t0))
+        daemon_cpu[k % 2] += u1 - u0
+        worker_cpu[k % 2] += w1 - w0
+        seconds[k % 2] += t1 - t0
+    return rates, daemon_cpu, worker_cpu, seconds
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["load"]:
-    address, rate, start, window, rounds, out = sys.argv[2:]
-    status_load(address, float(rate), float(start), float(window), int(rounds), out)
+@contextlib.contextmanager
+def load_clients(address: str, count: int, total_rate: float, start: float, window: float, rounds: int,
+                 kind: str = "lean", timeout: float = 60.0):
+    """``count`` status-load processes (tests/test_control_load.py, ``kind`` lean or client) sharing
+    ``total_rate`` requests/s in the loaded windows from ``start``. Yields a list that holds each
+    client's saved arrays once the block is left and every client has finished (stragglers are
+    killed by PID)."""
+    results: list = []
+    with tempfile.TemporaryDirectory(prefix="ingestd-load-") as tmp:
+        outs = [Path(tmp) / f"client{i}.npz" for i in range(count)]
+        procs = [subprocess.Popen([sys.executable, str(TESTS / "test_control_load.py"), address,
+                                   str(total_rate / count), str(start), str(window), str(rounds), str(out), kind],
+                                  env={**os.environ, **PLUGIN_ENV}) for out in outs]
+        try:
+            yield results
+            for proc in procs:
+                assert proc.wait(timeout) == 0, "a load client failed"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results.extend(dict(np.load(out)) for out in outs)

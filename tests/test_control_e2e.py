@@ -273,6 +273,37 @@ def test_scale_up_and_down(client):
     assert [w.index for w in client.status().workers] == [0]
 
 
+def test_status_right_after_a_change_shows_it(daemon, client):
+    """A status result is reused for a few ms (docs/protocol.md), never across a change the
+    asker has seen acknowledged: another client keeps the cache warm while this one changes things."""
+    stop = threading.Event()
+
+    def hammer():
+        with ControlClient(daemon.control_address, timeout=5.0) as other:
+            while not stop.is_set():
+                other.status()
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        for _ in range(5):
+            client.pause()
+            status = client.status()
+            assert status.desired == "pause" and {w.state for w in status.workers} == {"paused"}
+            client.resume()
+            status = client.status()
+            assert status.desired == "run" and {w.state for w in status.workers} == {"running"}
+        client.scale(1)
+        assert [w.index for w in client.status().workers] == [0]
+        client.scale(2)
+        assert [w.state for w in client.status().workers] == ["running"] * 2
+        version = client.push_weights(control_plugins.weights(0.0))
+        assert client.status().weights_version == version
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_reload_rereads_the_config_file(daemon, client):
     daemon.config_path.write_text("[workers]\nrestart_budget = 7\n")
     try:

@@ -254,12 +254,35 @@ def test_record_reader_matches_the_stats_block(tmp_path):
             rec["returns_count"] = 40 + i
             rec["returns"][(39 + i) % len(rec["returns"])] = -7.25 + i
         stats.set_error(3, "boom ü")
+        stats.records[6]["returns_count"] = 3  # the ring not yet full
+        stats.records[6]["returns"][:3] = [1.5, 2.5, 3.5]
         reader = RecordReader(stats.records)
-        for i in range(5):
-            values, last, error = reader.read(i)
+        for i in range(7):
+            values, recent, error = reader.read(i)
             assert values == {name: stats[i][name].item() for name in RecordReader.SCALARS}
-            assert last == stats.recent_returns(i, 1)[0][0] == -7.25 + i
+            assert recent == [ret for ret, _ in stats.recent_returns(i)]
             assert error == stats.error(i)
-        assert reader.read(3)[2] == "boom ü" and reader.read(5) == (reader.read(5)[0], None, "")
+        assert [reader.read(i)[1][-1] for i in range(5)] == [-7.25 + i for i in range(5)]
+        assert reader.read(3)[2] == "boom ü" and reader.read(5)[1:] == ([], "")
+        assert reader.read(6)[1] == [1.5, 2.5, 3.5]
     finally:
         stats.close()
+
+
+def test_reply_cache_reuses_a_result_until_it_is_too_old_or_invalidated():
+    from ingestd.control.context import ReplyCache
+
+    now, builds = [0.0], []
+
+    def build():
+        builds.append(now[0])
+        return {"n": len(builds)}
+
+    cache = ReplyCache(0.005, clock=lambda: now[0])
+    for t, n in [(0.0, 1), (0.004, 1), (0.005, 2), (0.0099, 2), (0.0101, 3)]:
+        now[0] = t
+        assert decode_reply([encode_result(1, cache.get(build))]).result == {"n": n}, t
+    cache.invalidate()
+    assert json.loads(cache.get(build).text) == {"n": 4} and builds[-1] == 0.0101
+    off = ReplyCache(0.0, clock=lambda: 1.0)  # 0: every request builds
+    assert [json.loads(off.get(build).text)["n"] for _ in range(2)] == [5, 6]

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import lz4.frame
 import numpy as np
@@ -27,14 +23,15 @@ import zmq
 
 import control_plugins
 from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
-from control_daemon import PLUGIN_ENV, SETTINGS, rows_between
+from control_daemon import SETTINGS, rows_between
 from ingestd import ControlClient
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.commands import COMMANDS
 from ingestd.control.protocol import decode_reply, encode_header
 from ingestd.replay import ReplayReader
 from ingestd.weights.wire import encode
-from reliability_util import ExternalLoad, RssSeries, knob, percentiles, process_cpu, record, wait_for
+from reliability_util import (ExternalLoad, RssSeries, idle_and_loaded, knob, load_clients, percentiles, process_cpu,
+                              record, wait_for)
 from test_control_e2e import BAD_PUSHES, _good, _raw_push, _with_manifest
 
 MAX_FRAMES = SETTINGS["control.max_frames"]
@@ -367,6 +364,8 @@ def test_bad_weight_pushes_are_rejected_then_a_good_one_works(daemon, client):
 
 
 # -- 8 + 9. status load, and the RSS soak ----------------------------------------------------------
+# The clients are lean raw-DEALER loops (test_control_load.py): they share the machine with the
+# workers, so their CPU counts in the slowdown; it is recorded apart from the daemon's.
 CLIENTS, RATE, WINDOW_S = 4, 1000.0, 2.0
 # Workers during the load: with every core running a worker, whatever CPU the clients use is taken
 # from collection, whatever the daemon does; one core is left to the control plane and its clients.
@@ -380,41 +379,22 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
     status = client.status()
     pids = [daemon.proc.pid] + [w.pid for w in status.workers]
     start = time.monotonic() + 3.0  # the clients start meanwhile
-    outs = [tmp_path / f"client{i}.npz" for i in range(CLIENTS)]
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "reliability_util.py"), "load",
-                               daemon.control_address, str(RATE / CLIENTS), str(start), str(WINDOW_S), str(rounds),
-                               str(out)], env={**os.environ, **PLUGIN_ENV}) for out in outs]
     rss = RssSeries()
-    idle, loaded = [], []
-    try:
-        with ReplayReader(daemon.replay_path) as reader:
-            while time.monotonic() < start:
+    with load_clients(daemon.control_address, CLIENTS, RATE, start, WINDOW_S, rounds) as results, \
+            ReplayReader(daemon.replay_path) as reader:
+        while time.monotonic() < start:
+            rss.sample(pids)
+            time.sleep(0.25)
+        load = ExternalLoad()
+        counts = []
+        for edge in [start + k * WINDOW_S for k in range(2 * rounds + 1)]:
+            while (now := time.monotonic()) < edge:
                 rss.sample(pids)
-                time.sleep(0.25)
-            load = ExternalLoad()
-            counts = []
-            for edge in [start + k * WINDOW_S for k in range(2 * rounds + 1)]:
-                while (now := time.monotonic()) < edge:
-                    rss.sample(pids)
-                    time.sleep(min(0.25, max(0.0, edge - now)))
-                counts.append((reader.write_count, time.monotonic(), process_cpu(daemon.proc.pid),
-                               sum(process_cpu(p) for p in pids[1:])))
-            external = load.stop()
-        daemon_cpu, worker_cpu, seconds = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]  # idle and loaded windows
-        for k in range(2 * rounds):
-            (c0, t0, u0, w0), (c1, t1, u1, w1) = counts[k], counts[k + 1]
-            (idle if k % 2 == 0 else loaded).append((c1 - c0) / (t1 - t0))
-            daemon_cpu[k % 2] += u1 - u0
-            worker_cpu[k % 2] += w1 - w0
-            seconds[k % 2] += t1 - t0
-        for proc in procs:
-            assert proc.wait(30) == 0, "a load client failed"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = [np.load(out) for out in outs]
+                time.sleep(min(0.25, max(0.0, edge - now)))
+            counts.append((reader.write_count, time.monotonic(), process_cpu(daemon.proc.pid),
+                           sum(process_cpu(p) for p in pids[1:])))
+        external = load.stop()
+    (idle, loaded), daemon_cpu, worker_cpu, seconds = idle_and_loaded(counts)
     latency = np.concatenate([r["latency"] for r in results])
     late = np.concatenate([r["late"] for r in results])
     client_cpu = sum(float(r["cpu_s"]) for r in results)

@@ -64,42 +64,77 @@ class FrameRates:
 
 
 class RecordReader:
-    """Reads workers' stats records with one ``struct`` unpack each (numpy's per-call overhead
-    made up most of a status request). Relies on the record layout being plain words
-    (``ingestd.collect.stats.RECORD``)."""
+    """Reads a worker's stats record with one ``struct`` unpack: its scalars, its ring of recent
+    returns and its error (numpy's per-field and per-element overhead made up most of a status
+    request). Relies on the record layout being plain words (``ingestd.collect.stats.RECORD``)."""
 
     SCALARS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
                "returns_count", "pause_reason")
 
     def __init__(self, records: np.ndarray):
         dtype = records.dtype
-        self._bytes = records.view(np.uint8)
-        self._size = dtype.itemsize
-        layout = sorted((dtype.fields[name][1], name, dtype.fields[name][0]) for name in self.SCALARS)
-        codes = {("i", 8): "q", ("u", 8): "Q", ("f", 8): "d"}  # standard sizes ("=" mode)
-        fmt, pos = "=", 0
-        for offset, _, field_dtype in layout:
-            fmt += f"{offset - pos}x{codes[field_dtype.kind, field_dtype.itemsize]}"
-            pos = offset + field_dtype.itemsize
-        self._scalars = struct.Struct(fmt)
-        self._names = tuple(name for _, name, _ in layout)
-        self._returns_at, self._ring = dtype.fields["returns"][1], dtype.fields["returns"][0].shape[0]
-        self._error_at, self._error_len = dtype.fields["error"][1], dtype.fields["error"][0].itemsize
-        self._double = struct.Struct("=d")
+        self._bytes, self._size = records.view(np.uint8), dtype.itemsize
+        self._ring = dtype.fields["returns"][0].shape[0]
+        fields = sorted((dtype.fields[name][1], name, *_struct_code(dtype.fields[name][0]))
+                        for name in (*self.SCALARS, "returns", "error"))
+        fmt, pos, names = "=", 0, []
+        for offset, name, code, items, size in fields:
+            fmt += f"{offset - pos}x{code}"
+            pos = offset + size
+            names += [name] * items
+        self._record = struct.Struct(fmt)
+        self._scalars = tuple((name, i) for i, name in enumerate(names) if name in self.SCALARS)
+        self._returns_at, self._error_at = names.index("returns"), names.index("error")
 
-    def read(self, index: int) -> tuple[dict[str, Any], float | None, str]:
-        """``(scalars, last return or None, error)`` of worker ``index``."""
-        base = index * self._size
-        values = dict(zip(self._names, self._scalars.unpack_from(self._bytes, base)))
-        count = values["returns_count"]
-        last = None
-        if count:
-            slot = (count - 1) % self._ring
-            last = self._double.unpack_from(self._bytes, base + self._returns_at + 8 * slot)[0]
-        start = base + self._error_at
-        error = bytes(self._bytes[start:start + self._error_len]).rstrip(b"\0").decode("utf-8", "replace")
-        return values, last, error
+    def read(self, index: int) -> tuple[dict[str, Any], list[float], str]:
+        """``(scalars, recent returns oldest first, error)`` of worker ``index``."""
+        words = self._record.unpack_from(self._bytes, index * self._size)
+        values = {name: words[i] for name, i in self._scalars}
+        count, ring = values["returns_count"], self._ring
+        returns = words[self._returns_at:self._returns_at + ring]
+        if count < ring:
+            recent = list(returns[:count])
+        else:
+            start = count % ring
+            recent = list(returns[start:] + returns[:start])
+        error = words[self._error_at].rstrip(b"\0").decode("utf-8", "replace")
+        return values, recent, error
 
+
+def _struct_code(field: np.dtype) -> tuple[str, int, int]:
+    """``(struct code, values it unpacks to, bytes)`` of a plain record field."""
+    if field.kind == "S":
+        return f"{field.itemsize}s", 1, field.itemsize
+    if field.subdtype is not None:
+        base, shape = field.subdtype
+        items = int(np.prod(shape))
+        return f"{items}{_struct_code(base)[0]}", items, field.itemsize
+    return {("i", 8): "q", ("u", 8): "Q", ("f", 8): "d"}[field.kind, field.itemsize], 1, field.itemsize
+
+
+class ReplyCache:
+    """One result, encoded once and reused for at most ``max_age_s`` (``status`` under load: a
+    trainer or a dashboard polling it thousands of times a second gets the same bytes).
+
+    The control thread, its only user, drops it (``invalidate``) whenever it sends anything that
+    can follow a change: the reply of a command that is not read-only, or an event. So a client
+    that has seen a change acknowledged never gets a result from before it; otherwise a result is
+    at most ``max_age_s`` old."""
+
+    def __init__(self, max_age_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_age_s, self._clock = max_age_s, clock
+        self._value: Preencoded | None = None
+        self._built_at = 0.0
+
+    def get(self, build: Callable[[], Any]) -> Preencoded:
+        """The cached result, or ``build()``'s, encoded, if there is none young enough."""
+        now = self._clock()
+        if self._value is None or now - self._built_at >= self.max_age_s:
+            self._value, self._built_at = Preencoded(build()), now
+        return self._value
+
+    def invalidate(self) -> None:
+        self._value = None
 
 
 @dataclass
@@ -114,6 +149,7 @@ class Context:
     change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # one publisher of the weight store
     profile_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile request at a time
+    status_cache: ReplyCache = field(default_factory=lambda: ReplyCache(0.0))  # the control thread's (0: off)
     _config_cache: tuple[int, dict, Preencoded] | None = None
     _record_reader: RecordReader | None = None
 

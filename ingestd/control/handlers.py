@@ -43,19 +43,25 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
     reader = ctx.record_reader()
     out = []
     for index in indices:
-        rec, last, error = reader.read(index)
+        rec, recent, error = reader.read(index)
         state, pid = State(rec["state"]), rec["pid"]
         out.append(WorkerStatus(
             index=index, state=state.label, pid=pid, incarnation=rec["incarnation"], frames=rec["frames"],
-            frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"], last_return=last,
-            restarts=rec["restarts"], weights_version=rec["weights_version"],
+            frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"],
+            last_return=recent[-1] if recent else None, restarts=rec["restarts"],
+            weights_version=rec["weights_version"],
             heartbeat_age_s=round(now - rec["heartbeat"], 4) if pid > 0 and state not in _NOT_LIVE else None,
             error=error, pause_reason=PauseReason(rec["pause_reason"]).label if state == State.PAUSED else "",
-            recent_returns=[ret for ret, _ in ctx.daemon.layout.stats.recent_returns(index)]))
+            recent_returns=recent))
     return out
 
 
-def status(ctx: Context, request: GetStatus) -> dict:
+def status(ctx: Context, request: GetStatus) -> Preencoded:
+    """Built at most once per ``ctx.status_cache.max_age_s`` (docs/protocol.md, "status")."""
+    return ctx.status_cache.get(lambda: _status(ctx))
+
+
+def _status(ctx: Context) -> dict:
     daemon = ctx.daemon
     storage, weights, sup = daemon.layout.storage, daemon.layout.weights, daemon.supervisor
     now = time.monotonic()
@@ -324,12 +330,13 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
 class Handler:
     run: Callable[[Context, Any], Any]
     fast: bool  # answered on the control thread (reads shared memory only)
+    read_only: bool = False  # changes nothing: its reply leaves the status cache alone
 
 
 HANDLERS: dict[type[Request], Handler] = {
-    Ping: Handler(ping, fast=True),
-    GetStatus: Handler(status, fast=True),
-    GetConfig: Handler(get_config, fast=True),
+    Ping: Handler(ping, fast=True, read_only=True),
+    GetStatus: Handler(status, fast=True, read_only=True),
+    GetConfig: Handler(get_config, fast=True, read_only=True),
     Pause: Handler(pause, fast=False),
     Resume: Handler(resume, fast=False),
     Restart: Handler(restart, fast=False),

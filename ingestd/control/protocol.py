@@ -177,24 +177,30 @@ class Preencoded:
     __slots__ = ("text",)
 
     def __init__(self, value: Any):
-        self.text = dumps(jsonable(value))
+        self.text = encode_value(value)
+
+
+def encode_value(value: Any) -> bytes:
+    """Strict JSON of a result: NaN and infinities become null, and the top-level ``Preencoded``
+    values of a dict (or the value itself) are spliced in as they are."""
+    if isinstance(value, Preencoded):
+        return value.text
+    spliced = b""
+    if isinstance(value, dict) and any(isinstance(v, Preencoded) for v in value.values()):
+        spliced = b",".join(dumps(k) + b":" + v.text for k, v in value.items() if isinstance(v, Preencoded))
+        value = {k: v for k, v in value.items() if not isinstance(v, Preencoded)}
+    try:
+        text = dumps(value)
+    except ValueError:  # a NaN or infinity somewhere: strict JSON says null
+        text = dumps(jsonable(value))
+    if spliced:
+        text = text[:-1] + (b"," if len(text) > 2 else b"") + spliced + b"}"
+    return text
 
 
 def encode_result(request_id: RequestId, result: Any) -> bytes:
-    """A success reply. Top-level ``Preencoded`` values of a dict result are spliced in."""
-    spliced = b""
-    if isinstance(result, Preencoded):
-        return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, dumps(request_id), result.text)
-    if isinstance(result, dict) and any(isinstance(v, Preencoded) for v in result.values()):
-        spliced = b",".join(dumps(k) + b":" + v.text for k, v in result.items() if isinstance(v, Preencoded))
-        result = {k: v for k, v in result.items() if not isinstance(v, Preencoded)}
-    try:
-        text = dumps(result)
-    except ValueError:  # a NaN or infinity somewhere: strict JSON says null
-        text = dumps(jsonable(result))
-    if spliced:
-        text = text[:-1] + (b"," if len(text) > 2 else b"") + spliced + b"}"
-    return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, dumps(request_id), text)
+    """A success reply (``result`` as ``encode_value`` encodes it)."""
+    return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, dumps(request_id), encode_value(result))
 
 
 def encode_error(request_id: RequestId, code: ErrorCode, message: str) -> bytes:

@@ -6,6 +6,9 @@
   queue plus a wake-up pipe that the thread polls next to the ROUTER, so only
   the control thread ever touches a socket (zmq sockets are not thread-safe)
   and a pause waiting for acks never delays a ping.
+- A ``status`` result is reused for up to ``STATUS_MAX_AGE_S`` and dropped
+  whenever the thread sends the reply of a command that may change
+  something, or an event (``context.ReplyCache``; docs/protocol.md).
 - Every request is checked against the limits (``MAXMSGSIZE`` per frame on
   the socket; frame count and total size here) before it is parsed.
 - ipc:// sockets are created 0660 or stricter; tcp:// requires CURVE.
@@ -27,7 +30,7 @@ import zmq
 from ingestd.collect.stats import State
 from ingestd.control import curve
 from ingestd.control.commands import COMMANDS
-from ingestd.control.context import Context
+from ingestd.control.context import Context, ReplyCache
 from ingestd.control.handlers import HANDLERS, Handler
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
@@ -41,6 +44,7 @@ MAX_SLOW_IN_FLIGHT = 16  # beyond this, slow commands get ``busy``
 MAX_PUSHES_IN_FLIGHT = 2  # each holds a payload of up to max_message_bytes
 HOUSEKEEPING_S = 0.25  # frame-rate samples and weights.applied events
 RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbox again
+STATUS_MAX_AGE_S = 0.005  # a status result is reused this long at most (docs/protocol.md, "status")
 STOP_JOIN_S = 5.0
 INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
 
@@ -86,9 +90,10 @@ def _listening(path: str) -> bool:
 class ControlServer:
     """The daemon's control service: ``start(daemon)`` binds and starts the thread; ``stop()``."""
 
-    def __init__(self, config, *, pool_threads: int = POOL_THREADS):
+    def __init__(self, config, *, pool_threads: int = POOL_THREADS, status_max_age_s: float = STATUS_MAX_AGE_S):
         self.config = config
         self.pool_threads = pool_threads
+        self.status_max_age_s = status_max_age_s
         self._thread: threading.Thread | None = None
         self._context: zmq.Context | None = None
         self._auth: curve.Authenticator | None = None
@@ -114,7 +119,7 @@ class ControlServer:
             self._close_all()
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.ctx = Context(daemon, paths.events, publish=self.publish)
+        self.ctx = Context(daemon, paths.events, publish=self.publish, status_cache=ReplyCache(self.status_max_age_s))
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
         daemon.subscribe(self._on_daemon_event)
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
@@ -234,6 +239,8 @@ class ControlServer:
         self._flush_outbox()
 
     def _drain_router(self) -> None:
+        """Handle the waiting requests (at most ``RECV_BATCH``). Asking ``EVENTS`` whether another
+        one waits costs less than the ``Again`` that a receive on an empty socket raises."""
         for _ in range(RECV_BATCH):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -243,6 +250,8 @@ class ControlServer:
                 self._handle(frames)
             except Exception:  # never let one request take the thread down
                 log.exception("control: unexpected error while handling a request")
+            if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         route, body = _split_route(frames)
@@ -264,7 +273,10 @@ class ControlServer:
             request = request_cls.decode(header.args, [f.buffer for f in body[1:]])
             handler = HANDLERS[request_cls]
             if handler.fast:
-                self._reply(route, cmd, encode_result(request_id, handler.run(self.ctx, request)), "ok")
+                result = handler.run(self.ctx, request)
+                if not handler.read_only:
+                    self.ctx.status_cache.invalidate()
+                self._reply(route, cmd, encode_result(request_id, result), "ok")
             else:
                 self._start_slow(route, cmd, request_id, handler, request)
         except RequestError as exc:
@@ -304,20 +316,19 @@ class ControlServer:
             pass
 
     def _flush_outbox(self) -> None:
-        while True:
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        while not self._outbox.empty():  # the control thread is its only reader
+            item = self._outbox.get_nowait()
             if item[0] == "reply":
                 _, route, cmd, reply, outcome, is_push = item
                 self._slow_in_flight -= 1
                 self._pushes_in_flight -= is_push
+                self.ctx.status_cache.invalidate()  # the change is acknowledged: a status after it shows it
                 self._reply(route, cmd, reply, outcome)
             else:
                 self._send_event(item[1], item[2])
 
     def _send_event(self, kind: str, fields: dict) -> None:
+        self.ctx.status_cache.invalidate()  # a status asked after the event shows its cause
         self._event_seq += 1
         try:
             body = dumps({"v": PROTOCOL_VERSION, "event": kind, "seq": self._event_seq, "time": time.time(),
