@@ -114,10 +114,14 @@ def main() -> None:
         results["loadavg_after"] = os.getloadavg()
         results["targets"] = targets(results)
         try:
-            import torchrl  # noqa: F401
-            results["torchrl"] = "importable (comparison not implemented yet)"
+            import torchrl
         except ImportError:
-            results["torchrl"] = "not installed"
+            results["torchrl"] = "not installed (pip install torchrl to compare)"
+        else:
+            from torchrl_compare import measure as torchrl_measure
+
+            results["torchrl"] = torchrl.__version__
+            results.update(torchrl_measure(path, args.capacity, args.seconds, rate))
         stop.value = 1
         for p in procs:
             p.join(10)
