@@ -350,11 +350,11 @@ class ReplayStorage(MappedStore):
                 np.ndarray((n, *shape), dtype, stage, offset, (record, *strides))[...] = value
         for dst, part in segments:
             self._records[dst] = stage[part]
-        for key in self._layout.columns:
-            src, column = leaves[key], self.leaves[key]
+        for key in self._layout.columns:  # numpy's copy: ~20% faster than torch's copy_ for images here
+            src, column, target = leaves[key], self.leaves[key], self._arrays[key]
             for dst, part in segments:
                 if not _same_memory(column[dst], src[part]):  # else filled in place (``reserved``)
-                    column[dst].copy_(src[part])
+                    np.copyto(target[dst], _as_numpy(src[part]))
 
     def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
         """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)``."""
