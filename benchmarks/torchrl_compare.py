@@ -9,6 +9,8 @@ figures are taken while 2 writer processes write.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -32,6 +34,8 @@ def measure(path: str, capacity: int, seconds: float, rate) -> dict:
     """Calls/s (wall, per CPU-s) of TorchRL's random, prioritized and slice sampling and of
     ``update_priority``, through ``rate(fn, seconds)``."""
     from torchrl.data import LazyTensorStorage, PrioritizedSampler, RandomSampler, SliceSampler, TensorDictReplayBuffer
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # it logs to stdout, where our JSON goes
 
     rows = trajectory_rows(path)
     out: dict = {"torchrl_rows": rows.batch_size[0]}
