@@ -64,16 +64,56 @@ def test_checksum_rows_verify_and_steps_are_contiguous():
     assert_contiguous(rows)
 
 
+PIXELS = {"workers.env": "Pixels", "workers.policy": "Random", "workers.count": 2,
+          "workers.num_envs": 16, "workers.chunk_steps": 8, "replay.capacity": 2000}
+
+
 def test_pixels_images_rolled_into_their_slots_are_exact():
     """Image leaves are copied straight into reserved slots (ReplayStorage.reserved): every stored
     observation is the one of its stamps, also where a chunk wrapped around the ring."""
-    overrides = {"workers.env": "Pixels", "workers.policy": "Random", "workers.count": 2,
-                 "workers.num_envs": 16, "workers.chunk_steps": 8, "replay.capacity": 2000}
-    with DaemonProc(overrides=overrides) as d:
+    with DaemonProc(overrides=PIXELS) as d:
         d.wait_ready(rows=3 * 2000)  # several laps: some chunks wrapped around the ring
         assert d.stop() == 0
         rows = all_rows(d.replay_path)
     assert rows.batch_size[0] == 2000
+    assert_images_match_stamps(rows)
+
+
+def test_pixels_workers_killed_mid_rollout_leave_no_bad_image():
+    """SIGKILL lands while a worker rolls images into its reserved slots: those slots stay
+    uncommitted (never read as rows), the worker is replaced, and every committed image still
+    matches its stamps."""
+    kills = 0
+    with DaemonProc(overrides=PIXELS) as d:
+        d.wait_ready(rows=2000)
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            rng, killed = np.random.default_rng(0), {0: 0, 1: 0}
+
+            def collecting(w: int) -> bool:  # a new incarnation, a few chunks into its collection
+                return (int(stats[w]["pid"]) != killed[w] and stats.state(w) == State.RUNNING
+                        and int(stats[w]["chunks"]) > 2)
+            for _ in range(8):
+                worker = int(rng.integers(2))
+                wait_for(lambda: collecting(worker), 30, f"worker {worker} collecting")
+                killed[worker] = int(stats[worker]["pid"])
+                os.kill(killed[worker], signal.SIGKILL)
+                kills += 1
+                time.sleep(float(rng.uniform(0.05, 0.3)))
+            wait_for(lambda: all(int(stats[w]["pid"]) != killed[w] and stats.state(w) == State.RUNNING
+                                 for w in (0, 1)), 30, "both workers back")
+            assert int(stats[0]["restarts"]) + int(stats[1]["restarts"]) == kills
+        finally:
+            stats.close()
+        assert d.stop() == 0
+        rows = all_rows(d.replay_path)
+    assert rows.batch_size[0] > 1000
+    assert_images_match_stamps(rows)
+
+
+def assert_images_match_stamps(rows) -> None:
+    """Pixels draws ``step % 256`` into a corner pixel: each stored image is its own row's, and each
+    step's observation is the previous step's next observation."""
     step = rows["ingestd", "step"]
     obs, nxt = rows["observation"], rows["next", "observation"]
     assert (obs[:, -1, 0, 0] == step % 256).all() and (nxt[:, -1, 0, 0] == (step + 1) % 256).all()
@@ -82,7 +122,7 @@ def test_pixels_images_rolled_into_their_slots_are_exact():
     key = key[order]
     follows = (key[1:, :3] == key[:-1, :3]).all(1) & (key[1:, 3] == key[:-1, 3] + 1)
     first, second = torch.as_tensor(order[:-1][follows]), torch.as_tensor(order[1:][follows])
-    assert first.numel() > 1000 and torch.equal(obs[second], nxt[first]), "a step's observation is not the last one's next"
+    assert first.numel() > 500 and torch.equal(obs[second], nxt[first]), "a step's observation is not the last one's next"
 
 
 def assert_contiguous(rows) -> None:
