@@ -53,6 +53,7 @@ class Supervisor:
         self._ctx = mp.get_context("fork")
         self.slots: dict[int, Slot] = {}
         self.desired = Desired.RUN
+        self._last_hang_kill = float("-inf")
 
     # -- commands (main thread) -------------------------------------------------
     def scale(self, count: int) -> None:
@@ -104,7 +105,9 @@ class Supervisor:
     # -- the watch loop ----------------------------------------------------------
     def tick(self) -> None:
         now = self._clock()
-        for index in list(self.slots):
+        # stalest heartbeat first: a worker stuck holding a storage lock is older than the ones
+        # waiting on that lock, and killing it frees them (see _check_heartbeat)
+        for index in sorted(self.slots, key=lambda i: float(self.stats[i]["heartbeat"])):
             slot = self.slots[index]
             if slot.process is not None and not slot.process.is_alive():
                 self._reap(index, slot, now)
@@ -158,9 +161,15 @@ class Supervisor:
         self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.failures))
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
-        age = now - float(self.stats[index]["heartbeat"])
-        if age > self.policy.heartbeat_timeout_s and not slot.hung:
+        """Kill a worker silent for longer than the timeout. A hang kill restarts every other
+        worker's clock: they may have been blocked (not beating) on the storage lock or slots the
+        killed one held, which its death releases; a worker that is really hung too is killed one
+        timeout later."""
+        beat = float(self.stats[index]["heartbeat"])
+        if now - max(beat, self._last_hang_kill) > self.policy.heartbeat_timeout_s and not slot.hung:
+            age = now - beat
             slot.hung = True
+            self._last_hang_kill = now
             log.warning("worker %d (pid %d) missed its heartbeat for %.1f s; killing it",
                         index, slot.process.pid, age)
             self.stats.set_error(index, f"hung: no heartbeat for {age:.1f} s")

@@ -1,0 +1,86 @@
+"""Supervisor hang detection, driven by a fake clock with real (sleeping) processes as workers."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ingestd.collect.stats import State, StatsBlock
+from ingestd.service.supervisor import RestartPolicy, Slot, Supervisor
+
+TIMEOUT_S = 5.0
+
+
+class Sleeper:
+    """What the supervisor uses of a worker's ``multiprocessing.Process``, over a ``sleep`` child."""
+
+    def __init__(self):
+        self._popen = subprocess.Popen(["sleep", "60"])
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._popen.kill()
+        self._popen.wait()
+
+
+@pytest.fixture
+def sleepers(tmp_path):
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    now = [100.0]
+    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(heartbeat_timeout_s=TIMEOUT_S),
+                            clock=lambda: now[0])
+    procs = [Sleeper(), Sleeper()]
+    for index, proc in enumerate(procs):
+        supervisor.slots[index] = Slot(spec=None, process=proc)
+        stats[index]["state"], stats[index]["pid"] = State.RUNNING, proc.pid
+    try:
+        yield supervisor, stats, procs, now
+    finally:
+        for proc in procs:
+            proc.stop()
+        stats.close()
+
+
+def test_a_hang_kill_excuses_the_workers_that_were_waiting_on_it(sleepers):
+    """Worker 0 stops beating first (say, stuck holding the storage's lock); worker 1 stops just
+    after (blocked on that lock). Both are past the timeout in the same tick: only the stalest is
+    killed, and worker 1 gets a full timeout from that kill to beat again."""
+    supervisor, stats, procs, now = sleepers
+    stats[0]["heartbeat"], stats[1]["heartbeat"] = 90.0, 90.05
+    now[0] = 90.05 + TIMEOUT_S + 0.5
+    supervisor.tick()
+    procs[0].join(5)
+    assert not procs[0].is_alive() and procs[1].is_alive()
+    assert "hung" in stats.error(0) and stats.error(1) == ""
+    now[0] += TIMEOUT_S - 0.1  # worker 1 still silent, but within the timeout since the kill
+    supervisor.tick()
+    assert procs[1].is_alive()
+    now[0] += 0.2  # really hung too: killed one timeout after the first kill
+    supervisor.tick()
+    procs[1].join(5)
+    assert not procs[1].is_alive() and "hung" in stats.error(1)
+
+
+def test_a_beating_worker_is_left_alone(sleepers):
+    supervisor, stats, procs, now = sleepers
+    stats[0]["heartbeat"], stats[1]["heartbeat"] = 99.0, 90.0
+    now[0] = 100.0
+    supervisor.tick()
+    procs[1].join(5)
+    assert procs[0].is_alive() and not procs[1].is_alive()
