@@ -152,7 +152,10 @@ def test_writer_killed_mid_write(ctx, shm_dir):
     with children(ctx) as kids:
         for i in range(2):
             kids.start(rp.writer_main, path, i, 16)
-        kids.start(rp.reader_main, path, 7, 64, ctx.Value("q", 0, lock=False))
+        # keep the reader's counter referenced: freed, its shared block would be handed out again
+        # (to ``where`` below) while the reader still writes into it
+        progress = ctx.Value("q", 0, lock=False)
+        kids.start(rp.reader_main, path, 7, 64, progress)
         stalled, where = ctx.Event(), ctx.Array("q", 2, lock=False)
         victim = kids.start(rp.stalling_writer_main, path, 40, stalled, None, where, with_stop=False)
         assert stalled.wait(15), "the stalling writer never reached its fill"
