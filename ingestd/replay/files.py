@@ -26,8 +26,10 @@ import mmap
 import os
 import struct
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -234,6 +236,24 @@ _FLOCK = struct.Struct("hhqqi4x")
 _SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
 _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
+
+
+@contextmanager
+def flocked(fd: int) -> Iterator[None]:
+    """An exclusive ``flock`` on ``fd`` for the block (the kernel drops it if the holder dies)."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def unmap(mm: mmap.mmap) -> None:
+    """Close a mapping; if a caller still holds a view of it, it goes when that view does."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
 
 
 def lock_slots(fd: int, first: int, count: int) -> None:

@@ -33,7 +33,6 @@ it and read without it (a reader may see a change one call late).
 """
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import time
@@ -44,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from ingestd.errors import SampleTimeout
+from ingestd.replay import files
 
 FILE = "limiter.bin"
 WORDS = 32
@@ -227,35 +227,19 @@ class Limiter:
         return out
 
     def _locked(self):
-        return _Flock(self._fd)
+        return files.flocked(self._fd)
 
     def close(self) -> None:
         if self._mm is None:
             return
         self._i = self._f = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        files.unmap(self._mm)
         self._mm = None
         os.close(self._fd)
 
 
-class _Flock:
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __enter__(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-
 def _header_write_count(path: Path) -> Callable[[], int]:
     """``write_count`` read straight from ``header.bin`` (for handles without a storage)."""
-    from ingestd.replay import files
-
     fd = os.open(path / "header.bin", os.O_RDONLY)
     try:
         mm = mmap.mmap(fd, 8 * files.HEADER_WORDS, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

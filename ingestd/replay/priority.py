@@ -37,12 +37,12 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
+
+from ingestd.replay import files
 
 K = 16
 MAGIC = 0x5052494F_0001  # "PRIO" + 1
@@ -123,13 +123,8 @@ class PriorityTree:
         return cls(path, capacity)
 
     # -- changes (under the lock) ---------------------------------------------------------
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+    def locked(self):
+        return files.flocked(self._lock_fd)
 
     @property
     def max_leaf(self) -> float:
@@ -217,10 +212,7 @@ class PriorityTree:
         os.close(self._lock_fd)
         self.levels = self._blocks = []
         self._header = self._max = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        files.unmap(self._mm)
         self._mm = None
 
 

@@ -110,10 +110,7 @@ class MappedStore:
     def _unmap(self) -> None:
         for mm in self._maps:
             if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass  # a caller still holds a view; the mapping goes when it does
+                files.unmap(mm)
         self._maps.clear()
 
     def __enter__(self):
@@ -218,14 +215,9 @@ class ReplayStorage(MappedStore):
                                  "use a new replay path for a different env (nothing was changed)")
 
     # -- writing ---------------------------------------------------------------
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self):
         self._check_open()
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return files.flocked(self._lock_fd)
 
     def recover(self) -> int:
         """Mark slots left odd by dead writers as empty; returns how many were cleared.
