@@ -52,8 +52,8 @@ class ReplayReader(MappedStore):
         self._pos = 0
         self._groups = self._plan_groups()
         self._columns = [self.leaves[k] for k in self._layout.columns]
-        order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
-        self._nodes = _plan_nodes(order)
+        self._order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
+        self._plans = {(): _plan_nodes(self._order)}  # extra keys -> how to nest the leaves
         self._new_td = _td_factory()
         from ingestd.replay.sampling import Sampling
 
@@ -178,7 +178,9 @@ class ReplayReader(MappedStore):
         raise SampleTimeout(f"replay {self.path}: rows kept changing under the reader "
                             f"(capacity {self.capacity} is too small for the write rate?)")
 
-    def _assemble(self, records: np.ndarray, columns: list, n: int) -> TensorDict:
+    def _assemble(self, records: np.ndarray, columns: list, n: int, extra: dict | None = None) -> TensorDict:
+        """The nested TensorDict of ``n`` copied rows, plus the ``extra`` leaves (key -> tensor
+        with leading dimension ``n``), set as the tree is built (cheaper than setting them after)."""
         flat: list[torch.Tensor] = []
         record_bytes = self._layout.record_bytes
         for _, shape, dtype, offset, strides in self._groups:
@@ -187,15 +189,24 @@ class ReplayReader(MappedStore):
                     else np.empty((0, *shape), dtype))
             flat.extend(torch.from_numpy(rows.swapaxes(0, 1).copy()).unbind(0))
         flat.extend(columns)
+        plan = self._plans.get(()) if not extra else self._plan_with(tuple(extra))
+        if extra:
+            flat.extend(extra.values())
         batch = torch.Size([n])
         built: list[TensorDict] = []
         new_td = self._new_td
-        for leaves, children in self._nodes:
+        for leaves, children in plan:
             node = {name: flat[i] for name, i in leaves}
             for name, j in children:
                 node[name] = built[j]
             built.append(new_td(node, batch))
         return built[-1]
+
+    def _plan_with(self, keys: tuple) -> list:
+        plan = self._plans.get(keys)
+        if plan is None:
+            plan = self._plans[keys] = _plan_nodes(self._order + list(keys))
+        return plan
 
     # -- prioritized and sequence sampling, policy lag (ingestd.replay.sampling) ------------------
     def update_priorities(self, index, priority, write_index=None) -> int:
