@@ -10,7 +10,9 @@ The hot path is built to add as little as possible to the env and policy:
   once; every root gets its step's row as one prebuilt ``"ingestd"`` sub-td
   (one ``set`` per step instead of five), ``worker`` and ``env`` are written
   once, ``policy_version`` once per chunk, and ``episode``/``step`` are
-  advanced from the previous step's ``done`` with in-place ops;
+  advanced from the previous step's ``done`` with in-place numpy ops on
+  views of those buffers (a numpy op on a ``[B]`` row costs a fifth of a
+  torch op), so the env sees each step's stamps when it steps;
 - the transitions' leaves are not stacked as TensorDicts: each small leaf
   is stacked once per chunk straight into its own ``[chunk_steps, num_envs,
   ...]`` buffer, and each large one (image batches) is copied into its buffer
@@ -18,8 +20,8 @@ The hot path is built to add as little as possible to the env and policy:
   memory back at once; the buffers are reused across chunks (no allocation
   per chunk) and the rows are views of them;
 - the episode accounting (returns, lengths, finished episodes) is done once
-  per chunk on the ``[chunk_steps, num_envs]`` rewards and flags, with the
-  same float64 left-to-right sums as a step-by-step accumulation.
+  per chunk, in numpy, on the ``[chunk_steps, num_envs]`` rewards and flags,
+  with the same float64 left-to-right sums as a step-by-step accumulation.
 
 The rows returned by :meth:`Rollout.chunk` share memory with those buffers:
 they are valid until the next ``chunk()`` call (the worker writes them to the
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -71,10 +74,11 @@ class Rollout:
         n, t = env.num_envs, chunk_steps
         self.env, self.policy, self.chunk_steps = env, policy, chunk_steps
         self._n = n
-        # carried from chunk to chunk: the state of the step about to be taken
-        self._episode = torch.full((n,), episode_base, dtype=torch.int64)
-        self._step = torch.zeros(n, dtype=torch.int64)
-        self._return = torch.zeros(n, dtype=torch.float64)
+        # carried from chunk to chunk: the state of the step about to be taken. The per-step
+        # bookkeeping is done on numpy views of [B] rows: a numpy op on them costs a fifth of a torch op
+        self._episode = np.full(n, episode_base, dtype=np.int64)
+        self._step = np.zeros(n, dtype=np.int64)
+        self._return = np.zeros(n, dtype=np.float64)
         # the stamps of a whole chunk, one [T, B] int64 buffer per field
         stamps = torch.empty((len(_STAMPS), t, n), dtype=torch.int64)
         self._stamps = dict(zip(_STAMPS, stamps.unbind(0)))
@@ -83,12 +87,12 @@ class Rollout:
         self._batch = batch = torch.Size([n])
         self._fast_set = True
         self._stamp_tds = [_tensordict({f: buf[i] for f, buf in self._stamps.items()}, batch) for i in range(t)]
-        self._step_rows, self._episode_rows = self._stamps["step"].unbind(0), self._stamps["episode"].unbind(0)
-        self._done = torch.empty((t, n), dtype=torch.bool)
-        self._returns = torch.empty((t, n), dtype=torch.float64)
-        self._return_rows = self._returns.unbind(0)
-        self._keep = torch.empty((t, n), dtype=torch.float64)  # 1.0 where the episode goes on
-        self._keep_rows = self._keep.unbind(0)
+        self._step_np, self._episode_np = self._stamps["step"].numpy(), self._stamps["episode"].numpy()
+        self._done = np.empty((t, n), dtype=bool)
+        # the [B] rows of each step, made once: indexing a numpy array costs as much as an op on the row
+        self._step_rows, self._episode_rows = list(self._step_np), list(self._episode_np)
+        self._done_rows = list(self._done)
+        self._returns = np.empty((t, n), dtype=np.float64)
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
         self._eager: list[tuple] = []  # (key, buffer) of large leaves, copied step by step
         self._lazy: list[tuple] = []  # (key, buffer) of small leaves, stacked once per chunk
@@ -107,20 +111,13 @@ class Rollout:
         The rows are views of buffers the next ``chunk()`` overwrites. ``into`` maps keys
         (tuples) of large leaves to ``[chunk_steps * num_envs, ...]`` tensors: a leaf whose
         shape and dtype fit is copied there step by step, and its rows are that tensor."""
-        n, steps = self._n, self.chunk_steps
+        steps = self.chunk_steps
         self._stamps["policy_version"].fill_(policy_version)
-        step_rows, episode_rows = self._step_rows, self._episode_rows
-        step_rows[0].copy_(self._step)
-        episode_rows[0].copy_(self._episode)
+        step, episode, done = self._step_rows, self._episode_rows, self._done_rows
+        step[0][:], episode[0][:] = self._step, self._episode
         per_step: list[dict] = []
-        dones: list[torch.Tensor] = []
-        policy, env = self.policy, self.env
-        root = self._root
+        policy, env, root = self.policy, self.env, self._root
         for t in range(steps):
-            if t:
-                prev_done = dones[-1]
-                torch.add(step_rows[t - 1], 1, out=step_rows[t]).masked_fill_(prev_done, 0)
-                torch.add(episode_rows[t - 1], prev_done, out=episode_rows[t])
             self._stamp(root, t)
             transition, root = env.step_and_maybe_reset(policy(root))
             leaves = _leaves_of(transition)
@@ -131,16 +128,14 @@ class Rollout:
             if len(leaves) != self._width:
                 raise RuntimeError("the env's transitions do not all have the same keys; every step must "
                                    "produce the same keys")
-            dones.append(_done_of(leaves, n))
-            for key, rows, _ in eager:  # large leaves: copied while hot, and freed for the env to reuse
-                leaf = _pop(leaves, key)
-                if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
-                    raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
-                                       f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
-                rows[t].copy_(leaf)
+            np.copyto(done[t], _done_of(leaves, self._n))
+            _copy_eager(eager, leaves, t)
             per_step.append(leaves)
+            if t + 1 < steps:  # the next step's stamps: a new episode where this one ended
+                np.add(step[t], 1, out=step[t + 1])
+                np.copyto(step[t + 1], 0, where=done[t])
+                np.add(episode[t], done[t], out=episode[t + 1])
         self._root = root
-        torch.stack(dones, out=self._done)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
             try:
@@ -227,31 +222,40 @@ class Rollout:
         Each return is the float64 sum of the episode's rewards added in step order, from
         0 (or from the return carried in from the previous chunk), exactly as a per-step
         ``ret = ret + reward`` would give."""
-        steps, n = self.chunk_steps, self._n
-        done, step = self._done, self._stamps["step"]
-        reward = self._leaves.get(_REWARD)
-        if reward is None:  # check_rows refuses it with the message
-            reward = torch.zeros((steps, n))
-        # the per-step reward of each sub-env, as a per-step accumulation adds it (float64, exactly)
-        reward = reward.view(steps, n) if reward.numel() == steps * n else reward.reshape(steps, n, -1).sum(-1)
-        reward = reward.to(torch.float64)
-        keep = torch.logical_not(done, out=self._keep)
-        ret_rows, reward_rows, keep_rows = self._return_rows, reward.unbind(0), self._keep_rows
-        torch.add(self._return, reward_rows[0], out=ret_rows[0])
-        for t in range(1, steps):  # ret[t] = ret[t-1] * (not done[t-1]) + reward[t]: exact (x*1, x*0)
-            torch.addcmul(reward_rows[t], ret_rows[t - 1], keep_rows[t - 1], out=ret_rows[t])
+        done, step, ret = self._done, self._step_np, self._returns
+        reward = _rewards_of(self._leaves.get(_REWARD), self.chunk_steps, self._n)
+        np.copyto(ret, reward)  # where an episode begins: its first reward
+        np.add(self._return, reward[0], out=ret[0])
+        keep = np.logical_not(done)
+        for t in range(1, self.chunk_steps):  # ret[t] = ret[t-1] + reward[t] where the episode goes on
+            np.add(ret[t - 1], reward[t], out=ret[t], where=keep[t - 1])
         finished = Finished()
-        last_done = done[-1]
-        done_np = done.numpy() if done.device.type == "cpu" else done.cpu().numpy()
-        if done_np.any():  # numpy: a third of the cost of torch's boolean indexing here
-            finished.returns = self._returns.numpy()[done_np].tolist()
-            finished.lengths = (step.numpy()[done_np] + 1).tolist()
-            self._return = ret_rows[-1].masked_fill(last_done, 0.0)
-        else:
-            self._return = ret_rows[-1].clone()
-        self._step = (step[-1] + 1).masked_fill_(last_done, 0)
-        self._episode = self._stamps["episode"][-1] + last_done
+        if done.any():
+            finished.returns = ret[done].tolist()
+            finished.lengths = (step[done] + 1).tolist()
+        last = done[-1]
+        self._return = np.where(last, 0.0, ret[-1])
+        self._step = np.where(last, 0, step[-1] + 1)
+        self._episode = self._episode_np[-1] + last
         return finished
+
+
+def _rewards_of(reward: torch.Tensor | None, steps: int, n: int) -> np.ndarray:
+    """The float64 ``[T, B]`` reward of each step and sub-env (summed over a reward's extra dims)."""
+    if reward is None:  # check_rows refuses it with the message
+        return np.zeros((steps, n))
+    reward = reward.view(steps, n) if reward.numel() == steps * n else reward.reshape(steps, n, -1).sum(-1)
+    return reward.detach().to(torch.float64).cpu().numpy()
+
+
+def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
+    """Copy the step's large leaves while hot, and drop them for the env's allocator to reuse."""
+    for key, rows, _ in eager:
+        leaf = _pop(leaves, key)
+        if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
+            raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
+                               f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
+        rows[t].copy_(leaf)
 
 
 def _leaves_of(td: TensorDictBase) -> dict:
@@ -300,14 +304,14 @@ def _pick(leaves: dict, key) -> torch.Tensor:
                            "produce the same keys") from None
 
 
-def _done_of(leaves: dict, n: int) -> torch.Tensor:
+def _done_of(leaves: dict, n: int) -> np.ndarray:
     """``done [B]`` of one transition: any of the ``("next", "done")`` entries of a sub-env."""
     done = leaves.get(_DONE)
     if done is None:
         raise EnvFault("the env's transitions have no ('next', 'done') entry")
-    if done.dtype == torch.bool and done.numel() == n:
-        return done.view(n)
-    return done.reshape(n, -1).any(-1)
+    if done.dtype != torch.bool or done.numel() != n:
+        done = done.reshape(n, -1).any(-1)
+    return (done if done.is_cpu else done.cpu()).numpy().reshape(n)
 
 
 def check_rows(rows: TensorDict) -> None:
@@ -315,7 +319,14 @@ def check_rows(rows: TensorDict) -> None:
     reward = rows.get(("next", "reward"), None)
     if reward is None:
         raise EnvFault("the env's transitions have no ('next', 'reward') entry")
-    if reward.is_floating_point() and not torch.isfinite(reward).all():
-        bad = (~torch.isfinite(reward)).reshape(reward.shape[0], -1).any(-1).nonzero().squeeze(-1)
-        raise EnvFault(f"the env returned a non-finite reward in {bad.numel()} rows "
-                       f"(first at row {int(bad[0])}); the chunk was not stored")
+    if not reward.is_floating_point() or _all_finite(reward):
+        return
+    bad = (~torch.isfinite(reward)).reshape(reward.shape[0], -1).any(-1).nonzero().squeeze(-1)
+    raise EnvFault(f"the env returned a non-finite reward in {bad.numel()} rows "
+                   f"(first at row {int(bad[0])}); the chunk was not stored")
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    if values.is_cpu and values.dtype in (torch.float32, torch.float64):  # numpy: a fifth of torch's cost
+        return bool(np.isfinite(values.detach().numpy()).all())
+    return bool(torch.isfinite(values).all())
