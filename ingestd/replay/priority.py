@@ -139,9 +139,14 @@ class PriorityTree:
         slots = np.asarray(slots, dtype=np.int64)
         if slots.size == 0:
             return
+        first, last = int(slots[0]), int(slots[-1])
         with self.locked():
+            if last - first + 1 == slots.size:  # one run of slots (a chunk that does not wrap): slices
+                self.levels[0][first:last + 1] = self._max[0]
+                self._propagate_run(first, last + 1)
+                return
             self.levels[0][slots] = self._max[0]
-            self._propagate(np.sort(slots) if slots.size > 1 and slots[0] > slots[-1] else slots)
+            self._propagate(np.sort(slots) if slots.size > 1 and first > last else slots)
 
     def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
                expected_seq: np.ndarray | None = None) -> int:
@@ -181,6 +186,12 @@ class PriorityTree:
         for lvl, block in enumerate(self._blocks):
             idx = _unique_sorted(idx // K)
             self.levels[lvl + 1][idx] = block[idx].sum(axis=1)
+
+    def _propagate_run(self, lo: int, hi: int) -> None:
+        """Re-sum the ancestors of leaves ``[lo, hi)``: one slice per level, no fancy indexing."""
+        for lvl, block in enumerate(self._blocks):
+            lo, hi = lo // K, (hi - 1) // K + 1
+            self.levels[lvl + 1][lo:hi] = block[lo:hi].sum(axis=1)
 
     # -- sampling (no lock) -------------------------------------------------------------
     def descend(self, u: np.ndarray) -> np.ndarray:
