@@ -137,6 +137,17 @@ def test_stratified_draw_is_exact_per_batch_and_shuffled(shm_dir):
             assert (np.diff(idx) < 0).any() and (np.diff(idx) > 0).any()
 
 
+@pytest.mark.parametrize("first,n", [(0, 1), (0, 16), (5, 4096), (69_990, 10), (12_345, 20_000)])
+def test_a_run_of_slots_enters_consistently(shm_dir, first, n):
+    """Chunks that do not wrap enter by slices; the sums above must match a full re-sum."""
+    tree = PriorityTree.attach(shm_dir, 70_000)
+    tree.update(np.arange(70_000), np.random.default_rng(first).random(70_000))
+    tree.update(np.array([0]), np.array([3.0]))  # the max leaf new rows enter at
+    tree.enter(np.arange(first, first + n))
+    assert np.all(tree.levels[0][first:first + n] == 3.0) and tree_consistent(tree)
+    tree.close()
+
+
 def test_new_rows_enter_at_max_priority_and_reset_overwritten_slots(shm_dir):
     with make(shm_dir / "r", capacity=64, n=32) as store, \
             ReplayReader(store.path, seed=1, sampler="prioritized", alpha=1.0) as r:
