@@ -164,15 +164,26 @@ class ControlClient:
         raise DaemonUnavailable(self._silence(request.cmd, budget, sent))
 
     def _attempt(self, frames: list, request_id: str, budget: float) -> Reply | None:
+        """Send, then wait for the reply with a blocking receive under ``RCVTIMEO`` (cheaper than a
+        ``poll`` then a receive: ``Socket.poll`` builds a ``Poller`` on every call)."""
         sock = self._connected()
-        sock.send_multipart(frames, copy=len(frames) == 1)
+        if len(frames) == 1:
+            sock.send(frames[0])
+        else:
+            sock.send_multipart(frames, copy=False)
         deadline = time.monotonic() + budget
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+            if remaining <= 0:
                 self._discard()  # lazy pirate: a fresh socket for the next attempt
                 return None
-            reply = decode_reply(sock.recv_multipart())
+            sock.setsockopt(_RCVTIMEO, max(1, int(remaining * 1000)))
+            try:
+                reply = _recv_frames(sock)
+            except zmq.Again:
+                self._discard()
+                return None
+            reply = decode_reply(reply)
             if reply.id == request_id:
                 return reply
             # a late reply to an abandoned request: drop it and keep waiting
@@ -218,6 +229,18 @@ class ControlClient:
 
     def __repr__(self) -> str:
         return f"ControlClient({self.address!r}, timeout={self.timeout})"
+
+
+_RCVTIMEO, _RCVMORE, _NOBLOCK = int(zmq.RCVTIMEO), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One message (``zmq.Again`` after ``RCVTIMEO``): a reply is one frame, so the usual case is
+    one receive and one ``RCVMORE`` check (plain-int options: pyzmq's enums cost microseconds)."""
+    frames = [sock.recv()]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(_NOBLOCK))
+    return frames
 
 
 @dataclass(frozen=True)

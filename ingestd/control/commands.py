@@ -113,10 +113,9 @@ class Request:
     def encode(self) -> tuple[dict[str, Any], list[Any]]:
         """``(args, payload frames)`` for the wire."""
         args = {}
-        for f in dataclasses.fields(self):
-            if "check" in f.metadata:
-                value = getattr(self, f.name)
-                args[f.name] = list(value) if isinstance(value, tuple) else value
+        for name in self._checks():
+            value = getattr(self, name)
+            args[name] = list(value) if isinstance(value, tuple) else value
         return args, []
 
     @property
@@ -333,11 +332,13 @@ class Status(Result):
 
     @classmethod
     def from_json(cls, obj: Any) -> Status:
-        plain = Result.from_json.__func__(cls, obj)  # type: ignore[attr-defined]
-        if not isinstance(plain.workers, list):
+        if not isinstance(obj, dict) or not obj.keys() >= set(cls.field_names()):
+            return Result.from_json.__func__(cls, obj)  # type: ignore[attr-defined]  # BadReply: says what is wrong
+        if not isinstance(obj["workers"], list):
             raise BadReply("status 'workers' must be a list")
-        return dataclasses.replace(plain, replay=ReplayStatus.from_json(plain.replay),
-                                   workers=[WorkerStatus.from_json(w) for w in plain.workers])
+        nested = {"replay": ReplayStatus.from_json(obj.get("replay")),
+                  "workers": [WorkerStatus.from_json(w) for w in obj["workers"]]}
+        return Result.from_json.__func__(cls, {**obj, **nested})  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
