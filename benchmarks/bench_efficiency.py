@@ -1,0 +1,156 @@
+"""Paired worker efficiency: ingestd's per-worker rate and the in-process limit, measured
+alternately inside one daemon run with the same number of busy cores. Prints JSON.
+
+    flock /tmp/ingestd-bench.lock python benchmarks/bench_efficiency.py [--cases cartpole,gym_cartpole]
+        [--workers 1,2] [--rounds 5] [--window 3]
+
+Why: on a shared VM the machine's speed drifts by tens of percent within minutes, so a
+limit measured minutes before or after a daemon run (as ``bench_ingest.py`` does) can be
+far from the machine's speed during it; two bench_ingest runs of the same code at load ~1
+gave CartPole 2-worker efficiencies of 0.72 and 0.65, and gymnasium 1.08 and 0.61.
+
+Each round, inside one running daemon (``tests/daemon_proc.py``; everything it made is
+removed at the end):
+
+1. the daemon collects for one window (the rate is read from the storage's ``write_count``);
+2. ``pause`` (acknowledged by every worker: they hold still), then ``workers`` limit
+   processes run concurrently for one window: each is the bare env + policy loop of
+   ``bench_env_loop.inprocess_rate`` (no storage, no stamps, no IPC), started once before
+   the first round and kept waiting on a pipe, with one torch thread like the workers;
+3. ``resume``, and a short settle before the next round.
+
+Round k's efficiency is the daemon's per-worker rate over the mean limit-process rate of
+round k. The report gives every round and the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_ingest import IngestCase, load, make_cases, wait_first_frame  # noqa: E402
+from daemon_proc import DaemonProc  # noqa: E402
+
+SETTLE_S = 0.5  # after resume, before the daemon's window: workers back at speed
+
+
+def limit_child(case_json: str) -> None:
+    """A limit process: build the loop, say ``ready``, then answer ``go SECONDS`` with a rate."""
+    import torch
+
+    from bench_env_loop import Case, inprocess_rate
+
+    torch.set_num_threads(1)
+    env, policy = Case(**json.loads(case_json)).build(seed=0)
+    inprocess_rate(env, policy, seconds=0.3)  # warm
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(inprocess_rate(env, policy, seconds=float(line.split()[1])), flush=True)
+
+
+class Limits:
+    """``n`` waiting limit processes of one case (stopped by PID on exit)."""
+
+    def __init__(self, case: IngestCase, n: int):
+        spec = case.loop_case()
+        text = json.dumps({"env": spec.env, "num_envs": spec.num_envs, "policy": spec.policy,
+                           "env_kwargs": spec.env_kwargs, "policy_kwargs": spec.policy_kwargs})
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--limit-child", text], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"limit process {p.pid} did not start (exit code {p.poll()})")
+
+    def run(self, seconds: float) -> list[float]:
+        for p in self.procs:  # all start within microseconds of each other
+            p.stdin.write(f"go {seconds}\n")
+            p.stdin.flush()
+        return [float(p.stdout.readline()) for p in self.procs]
+
+    def __enter__(self) -> "Limits":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.stdin.close()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def paired(case: IngestCase, workers: int, rounds: int, window: float, warmup: float) -> dict[str, Any]:
+    from ingestd.control import ControlClient
+
+    out: dict[str, Any] = {"workers": workers, "load_average_before": load(), "rounds": []}
+    d = DaemonProc(overrides=case.overrides(workers))
+    with d, Limits(case, workers) as limits:
+        _, reader = wait_first_frame(d, time.perf_counter(), timeout=120)
+        client = ControlClient(d.control_address, timeout=30)
+        try:
+            time.sleep(warmup)
+            for _ in range(rounds):
+                t0, c0 = time.perf_counter(), reader.write_count
+                time.sleep(window)
+                rate = (reader.write_count - c0) / (time.perf_counter() - t0)
+                client.pause()
+                limit = limits.run(window)
+                client.resume()
+                per_worker = rate / workers
+                out["rounds"].append({"per_worker_frames_per_s": round(per_worker),
+                                      "limit_frames_per_s": [round(x) for x in limit],
+                                      "efficiency": round(per_worker / statistics.mean(limit), 3),
+                                      "load_average": load()})
+                time.sleep(SETTLE_S)
+        finally:
+            client.close()
+            reader.close()
+        d.stop(timeout=30)
+    out["efficiency_median"] = statistics.median(r["efficiency"] for r in out["rounds"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="cartpole,gym_cartpole,pixels")
+    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--window", type=float, default=3.0, help="seconds per daemon and per limit window")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of collection before the first round")
+    parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--gym-envs", type=int, default=64)
+    parser.add_argument("--pixels-envs", type=int, default=64)
+    parser.add_argument("--limit-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.limit_child:
+        limit_child(args.limit_child)
+        return {}
+    cases = make_cases(args)
+    report: dict[str, Any] = {"benchmark": "efficiency_paired", "cpu_count": os.cpu_count(),
+                              "load_average_start": load(), "target": 0.9,
+                              "settings": {"rounds": args.rounds, "window_s": args.window, "warmup_s": args.warmup,
+                                           "chunk_steps": args.chunk_steps}, "cases": {}}
+    for name in [c for c in args.cases.split(",") if c]:
+        case = cases[name]
+        report["cases"][name] = {"case": case.describe(),
+                                 "runs": [paired(case, int(w), args.rounds, args.window, args.warmup)
+                                          for w in args.workers.split(",") if w]}
+    report["summary"] = {f"{name} {run['workers']}w": run["efficiency_median"]
+                         for name, c in report["cases"].items() for run in c["runs"]}
+    report["load_average_end"] = load()
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
