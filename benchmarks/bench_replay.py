@@ -38,6 +38,8 @@ KINDS = {  # capacity, rows per write, observation shape and dtype
     "pixels": {"capacity": 16_384, "batch": 64, "obs": ((4, 84, 84), torch.uint8)},
 }
 SAMPLE_SIZES = (256, 4096)
+# the reader's modes in the concurrent windows: name -> (batch size, into a reused empty_batch)
+READER_MODES = {"sample_256": (256, False), "sample_4096": (4096, False), "sample_256_into": (256, True)}
 
 
 class Rate(NamedTuple):
@@ -130,17 +132,21 @@ def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) 
     with ReplayReader(path, seed=0) as reader:
         for start in range(0, reader.capacity, 4096):  # map every page of the ring
             reader.gather(np.arange(start, min(start + 4096, reader.capacity)))
+        outs = {size: reader.empty_batch(size) for size, into in READER_MODES.values() if into}
         ready.put("reader")
-        for start, stop, size in plan.get():
-            if size is None:
+        for start, stop, mode in plan.get():
+            if mode is None:
                 continue
+            size, into = READER_MODES[mode]
+            batch = outs[size] if into else None
             while time.monotonic() < start:
                 time.sleep(0.0005)
-            out.put(("reader", start, run(lambda: reader.sample(size) is not None, until=stop)))
+            out.put(("reader", start, run(lambda: reader.sample(size, out=batch) is not None, until=stop)))
 
 
 def concurrent(ctx, path: str, kind: str, args) -> dict:
-    """Windows in turn: writer alone, writer + reader sampling 256, + reader sampling 4096, ..."""
+    """Windows in turn: writer alone, writer + reader sampling 256, + 4096, + 256 into a reused
+    batch (``sample(256, out=...)``), ..."""
     ready, out, plans = ctx.Queue(), ctx.Queue(), [ctx.Queue(), ctx.Queue()]
     procs = [ctx.Process(target=writer_child, args=(path, kind, args.writer_threads, args.malloc_reuse,
                                                     ready, plans[0], out)),
@@ -152,11 +158,11 @@ def concurrent(ctx, path: str, kind: str, args) -> dict:
         for _ in procs:
             ready.get(timeout=300)
         t0, span = time.monotonic() + 0.5, args.seconds + 0.3
-        plan = []  # (start, stop, sample size, or None: the writer alone)
+        plan = []  # (start, stop, reader mode, or None: the writer alone)
         for _ in range(args.rounds):
-            for size in (None, *SAMPLE_SIZES):
+            for mode in (None, *READER_MODES):
                 start = t0 + len(plan) * span
-                plan.append((start, start + args.seconds, size))
+                plan.append((start, start + args.seconds, mode))
         for q in plans:
             q.put(plan)
         results = {}
@@ -171,10 +177,10 @@ def concurrent(ctx, path: str, kind: str, args) -> dict:
                 p.join()
     alone = median([results[("writer", a)] for a, _, size in plan if size is None])
     report: dict = {"writer_alone_rows_per_s": alone._asdict()}
-    for size in SAMPLE_SIZES:
-        starts = [a for a, _, s in plan if s == size]
+    for mode in READER_MODES:
+        starts = [a for a, _, m in plan if m == mode]
         writer = median([results[("writer", a)] for a in starts])
-        report[f"sample_{size}"] = {
+        report[mode] = {
             "reader_calls_per_s": median([results[("reader", a)] for a in starts])._asdict(),
             "writer_rows_per_s": writer._asdict(),
             "writer_slowdown_pct": {f: 100.0 * (1 - getattr(writer, f) / getattr(alone, f)) for f in Rate._fields},
@@ -225,6 +231,10 @@ TARGETS = [  # name, (kind, path...) into the results, bound, at least (True) or
      ("pixels", "concurrent", "sample_256", "reader_calls_per_s"), 1000, True),
     ("CartPole sample(256) calls/s >= 20000 (reader process, writer writing)",
      ("cartpole", "concurrent", "sample_256", "reader_calls_per_s"), 20000, True),
+    ("CartPole sample(256, out=reused batch) calls/s >= 20000 (reader process, writer writing)",
+     ("cartpole", "concurrent", "sample_256_into", "reader_calls_per_s"), 20000, True),
+    ("pixel sample(256, out=reused batch) calls/s >= 1000 (reader process, writer writing)",
+     ("pixels", "concurrent", "sample_256_into", "reader_calls_per_s"), 1000, True),
     ("CartPole writer slowdown by a sample(256) reader <= 10%",
      ("cartpole", "concurrent", "sample_256", "writer_slowdown_pct"), 10, False),
     ("pixel writer slowdown by a sample(256) reader <= 10%",

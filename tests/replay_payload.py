@@ -138,18 +138,19 @@ def writer_main(path: str, seed: int, max_batch: int, stop, report) -> None:
     report.put(("writer", written, batches))
 
 
-def reader_main(path: str, seed: int, batch: int, progress, stop, report) -> None:
+def reader_main(path: str, seed: int, batch: int, progress, stop, report, into: bool = False) -> None:
     """Sample and verify until ``stop.value`` (counting samples in ``progress.value``); report
-    samples, bad rows and the write indices seen."""
+    samples, bad rows and the write indices seen. ``into``: sample into one reused batch."""
     _child_setup()
     samples = bad = 0
     seen = []
     with ReplayReader(path, seed=seed) as reader:
         schema = reader.schema
+        out = reader.empty_batch(batch) if into else None
         while not stop.value or samples == 0:  # at least one sample, however late this process started
-            td = reader.sample(batch, timeout=5.0)
+            td = reader.sample(batch, timeout=5.0, out=out)
             bad += int(bad_rows(td, schema).sum())
-            seen.append(td.get(WRITE_INDEX).numpy())
+            seen.append(td.get(WRITE_INDEX).numpy().copy())
             samples += 1
             progress.value = samples
     report.put(("reader", samples, bad, np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)))

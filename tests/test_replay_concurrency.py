@@ -49,9 +49,9 @@ class Children:
     def halt(self) -> None:
         self.stop.value = 1
 
-    def start(self, target, *args, with_stop: bool = True):
+    def start(self, target, *args, with_stop: bool = True, **kwargs):
         args = (*args, self.stop, self.report) if with_stop else (*args, self.report)
-        proc = self.ctx.Process(target=target, args=args, daemon=True)
+        proc = self.ctx.Process(target=target, args=args, kwargs=kwargs, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -122,8 +122,8 @@ def test_writers_and_readers_run_together(ctx, shm_dir):
         for i in range(3):
             kids.start(rp.writer_main, path, i, 48)
         progress = [ctx.Value("q", 0, lock=False) for _ in range(2)]
-        for i in range(2):
-            kids.start(rp.reader_main, path, 100 + i, 64, progress[i])
+        for i in range(2):  # the second samples into one reused batch (sample(out=...))
+            kids.start(rp.reader_main, path, 100 + i, 64, progress[i], into=i == 1)
         with ReplayReader(path) as reader:
             wait_until(lambda: reader.write_count > 8 * reader.capacity, 30, "writers to wrap the ring 8 times")
         time.sleep(RUN_S / 2)

@@ -75,6 +75,54 @@ def test_sample_is_owned_by_the_caller(shm_dir):
         assert isinstance(again["next"], TensorDict) and again["next"].batch_size == (32,)
 
 
+@pytest.mark.parametrize("kind", ["cartpole", "pixels"])
+def test_sample_into_a_reused_batch(shm_dir, kind):
+    """sample(n, out=batch) fills the batch from empty_batch in place: valid rows, the same
+    keys, shapes and dtypes as a fresh sample, new rows each call, and nothing allocated."""
+    path = filled(shm_dir / "r", kind, capacity=64, rows=100)
+    with ReplayReader(path, seed=3) as reader, PayloadStorage.open(path) as store:
+        out = reader.empty_batch(48)
+        fresh = reader.sample(48)
+        assert set(out.keys(True, True)) == set(fresh.keys(True, True))
+        assert all(out.get(k).shape == fresh.get(k).shape and out.get(k).dtype == fresh.get(k).dtype
+                   for k in fresh.keys(True, True))
+        pointers = {k: out.get(k).data_ptr() for k in out.keys(True, True)}
+        seen = set()
+        for _ in range(20):
+            assert reader.sample(48, out=out) is out
+            assert not rp.bad_rows(out, reader.schema).any()
+            seen.update(out.get(WI).tolist())
+            assert {k: out.get(k).data_ptr() for k in out.keys(True, True)} == pointers
+        assert len(seen) > 48 and min(seen) >= 36
+        store.write(rp.template(store.schema, 64))  # the ring moves on: so do the samples into out
+        reader.sample(48, out=out)
+        assert int(out.get(WI).min()) >= 100 and not rp.bad_rows(out, reader.schema).any()
+
+
+def test_sample_into_refuses_a_foreign_or_misfit_batch(shm_dir):
+    path = filled(shm_dir / "r")
+    with ReplayReader(path) as reader, ReplayReader(path) as other:
+        with pytest.raises(ValueError, match="batch size"):
+            reader.sample(16, out=reader.empty_batch(8))
+        with pytest.raises(ValueError, match="empty_batch"):
+            reader.sample(8, out=reader.sample(8))
+        with pytest.raises(ValueError, match="empty_batch"):
+            reader.sample(8, out=other.empty_batch(8))
+        with pytest.raises(ValueError, match="positive"):
+            reader.empty_batch(0)
+
+
+def test_sample_into_an_empty_store_waits_like_sample(shm_dir):
+    with PayloadStorage.create(shm_dir / "r", rp.spec("cartpole"), 64) as store, ReplayReader(store.path) as reader:
+        out = reader.empty_batch(4)
+        with pytest.raises(EmptyReplay):
+            reader.sample(4, out=out)
+        with pytest.raises(SampleTimeout):
+            reader.sample(4, timeout=0.05, out=out)
+        store.write(rp.template(store.schema, 8))
+        assert not rp.bad_rows(reader.sample(4, out=out), reader.schema).any()
+
+
 def test_the_verifier_detects_damaged_rows(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayStorage.open(path) as store:

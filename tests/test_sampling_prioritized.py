@@ -148,6 +148,22 @@ def test_a_run_of_slots_enters_consistently(shm_dir, first, n):
     tree.close()
 
 
+def test_prioritized_sample_into_a_reused_batch(shm_dir):
+    """empty_batch of a prioritized reader carries the slot and weight keys; sampling into it
+    gives the same statistics, and the batch can be handed to update_priorities."""
+    with make(shm_dir / "r", capacity=64, n=64) as store, \
+            ReplayReader(store.path, seed=9, sampler="prioritized", alpha=1.0) as r:
+        out = r.empty_batch(256)
+        prio = np.ones(64)
+        prio[10] = 63.0
+        r.update_priorities(np.arange(64), prio, write_index=store.seq[np.arange(64)] // 2 - 1)
+        assert r.sample(256, out=out) is out
+        idx = out["ingestd", "index"].numpy()
+        assert 127 <= (idx == 10).sum() <= 129 and (out["ingestd", "write_index"].numpy() % 64 == idx).all()
+        assert 0 < float(out["ingestd", "weight"].min()) and float(out["ingestd", "weight"].max()) == 1.0
+        assert r.update_priorities(out, torch.ones(256)) == 256
+
+
 def test_new_rows_enter_at_max_priority_and_reset_overwritten_slots(shm_dir):
     with make(shm_dir / "r", capacity=64, n=32) as store, \
             ReplayReader(store.path, seed=1, sampler="prioritized", alpha=1.0) as r:

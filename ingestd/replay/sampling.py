@@ -259,6 +259,12 @@ class Sampling:
             slots = slots[~zero]
         return None
 
+    def extra_keys(self, n: int) -> dict:
+        """Empty ``[n]`` leaves of the keys this sampler adds to the storage's (for ``empty_batch``)."""
+        if self.tree is None:
+            return {}
+        return {INDEX: torch.empty(n, dtype=torch.int64), WEIGHT: torch.empty(n, dtype=torch.float32)}
+
     def _priority_keys(self, slots: np.ndarray) -> dict:
         """The slots, and importance weights ``(N * P(i)) ** -beta`` over the batch's largest:
         ``N`` and the total cancel, leaving ``(min leaf / leaf) ** beta``."""
