@@ -28,6 +28,9 @@ def test_max_policy_lag_filters_old_rows(shm_dir, sampler):
                                                               weights_version=lambda: current[0]) as r:
         for _ in range(20):
             assert int(r.sample(256).get(PV).min()) >= 7
+        out = r.empty_batch(256)  # the same filter when sampling into a reused batch
+        for _ in range(5):
+            assert r.sample(256, out=out) is out and int(out.get(PV).min()) >= 7
         lo, mean, hi = r.last_policy_lag
         assert 0 <= lo <= mean <= hi <= 2
         current[0] = 11  # only version 9 is recent enough

@@ -143,22 +143,33 @@ class ReplayReader(MappedStore):
         made = self._outs.get(id(out))
         if made is None or made[0]() is not out:
             raise ValueError("out must be a batch made by this reader's empty_batch(n)")
-        if self._sampling.active:  # prioritized, lag, limiter: their rows, copied in
-            return out.update_(self._sampling.sample(n, timeout))
-        _, blocks, columns = made
-        return self._retrying(lambda: out if self._copy_into(blocks, columns, n) else None, timeout)
+        into = (out, made[1], made[2])
+        if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
+            return self._sampling.sample(n, timeout, into)
+        return self._retrying(lambda: self._sample_rows_into(into, n), timeout)
 
-    def _copy_into(self, blocks: list[np.ndarray], columns: list[torch.Tensor], n: int) -> bool:
+    def _sample_rows_into(self, into: tuple, n: int) -> TensorDict | None:
+        """Uniform rows copied into ``into`` = ``(batch, blocks, columns)``; None if there are none."""
         filled = len(self)
         if filled == 0:
-            return False
-        records, columns, bad = self._copy(self._draw(n, filled), into=columns)
+            return None
+        records, columns, bad = self._copy(self._draw(n, filled), into[2])
         if bad is not None and not self._redraw(records, columns, bad, filled):
-            return False
+            return None
+        return self._finish(records, columns, n, None, into)
+
+    def _finish(self, records: np.ndarray, columns: list, n: int, extra: dict | None, into: tuple | None):
+        """The sample of the copied rows: a new TensorDict, or (``into``, whose large leaves were
+        copied in place already) the small leaves and ``extra`` copied into ``into``'s batch."""
+        if into is None:
+            return self._assemble(records, columns, n, extra)
+        batch, blocks, _ = into
         record_bytes = self._layout.record_bytes
         for block, (_, shape, dtype, offset, strides) in zip(blocks, self._groups):
             np.copyto(block, np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides)).swapaxes(0, 1))
-        return True
+        for key, value in (extra or {}).items():
+            batch.get(key).copy_(value)
+        return batch
 
     def _sample(self, n: int) -> TensorDict | None:
         filled = len(self)

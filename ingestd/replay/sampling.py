@@ -79,8 +79,10 @@ class Sampling:
                 or (self.limiter is not None and self.limiter.enabled))
 
     # -- the public operations ---------------------------------------------------------------
-    def sample(self, n: int, timeout: float | None) -> TensorDict:
-        return self._blocking(lambda: self._sample(n), n, timeout)
+    def sample(self, n: int, timeout: float | None, into: tuple | None = None) -> TensorDict:
+        """``n`` rows: a new TensorDict, or copied into ``into`` = ``(batch, blocks, columns)`` of
+        the reader's ``empty_batch``."""
+        return self._blocking(lambda: self._sample(n, into), n, timeout)
 
     def sample_sequences(self, batch: int, length: int, cross_episodes: bool, timeout: float | None) -> TensorDict:
         if batch <= 0 or length <= 0:
@@ -162,7 +164,7 @@ class Sampling:
         return self.tree.update(slots, leaves, seq=seq, expected_seq=expected)
 
     # -- drawing and accepting rows -------------------------------------------------------------
-    def _sample(self, n: int) -> TensorDict | None:
+    def _sample(self, n: int, into: tuple | None = None) -> TensorDict | None:
         r = self.reader
         filled = len(r)
         if filled == 0:
@@ -171,27 +173,28 @@ class Sampling:
         if self.max_policy_lag is not None:
             self._min_version = self.weights_version() - self.max_policy_lag
         if self.tree is None and self._min_version is None:
-            out = r._sample(n)
+            out = r._sample(n) if into is None else r._sample_rows_into(into, n)
             if out is not None:
                 self._note_lag(out)
             return out
         draw = self._draw_prioritized if self.tree is not None else (lambda m: r._draw(m, filled))
-        got = self._gather(n, draw, filled)
+        got = self._gather(n, draw, filled, None if into is None else into[2])
         if got is None:
             return None
         records, columns, slots = got
-        out = r._assemble(records, columns, n, self._priority_keys(slots) if self.tree is not None else None)
+        out = r._finish(records, columns, n, self._priority_keys(slots) if self.tree is not None else None, into)
         self._note_lag(out)
         return out
 
-    def _gather(self, n: int, draw: Callable[[int], np.ndarray | None], filled: int):
-        """Copy ``n`` rows drawn by ``draw``, re-drawing those that were not committed, changed,
-        or are too old; ``(records, columns, slots)`` or ``None`` when no row qualifies."""
+    def _gather(self, n: int, draw: Callable[[int], np.ndarray | None], filled: int, into: list | None = None):
+        """Copy ``n`` rows drawn by ``draw`` (their large leaves into the tensors ``into``, if
+        given), re-drawing those that were not committed, changed, or are too old;
+        ``(records, columns, slots)`` or ``None`` when no row qualifies."""
         r = self.reader
         slots = draw(n)
         if slots is None:
             return None
-        records, columns, bad = r._copy(slots)
+        records, columns, bad = r._copy(slots, into)
         bad = self._rejected(records, bad, n)
         rounds = 0
         while bad is not None:
