@@ -31,7 +31,8 @@ from ingestd.collect.rollout import Rollout
 from ingestd.replay import ReplayReader, ReplayStorage
 
 NUM_ENVS, CHUNK = 64, 16
-TARGETS = {"prioritized_sample_256_per_s": 5000}  # issue #8: prioritized sample(256) calls/s, 2 writers
+TARGETS = {"prioritized_sample_256_per_s": 5000,  # issue #8: prioritized sample(256) calls/s, 2 writers
+           "prioritized_sample_256_into_per_s": 5000}  # the same, into a reused batch (sample(out=))
 
 
 def rollout(worker: int) -> Rollout:
@@ -69,6 +70,9 @@ def measure(path: str, seconds: float) -> dict:
             record(f"uniform_sample_{b}", lambda: uni.sample(b))
             record(f"prioritized_sample_{b}", lambda: pri.sample(b))
             record(f"sequences_{b}x16", lambda: uni.sample_sequences(b, 16), 2)
+        into_uni, into_pri = uni.empty_batch(256), pri.empty_batch(256)  # sample(out=): a reused batch
+        record("uniform_sample_256_into", lambda: uni.sample(256, out=into_uni))
+        record("prioritized_sample_256_into", lambda: pri.sample(256, out=into_pri))
         s = pri.sample(256)
         prio = np.random.default_rng(0).uniform(0.1, 2.0, 256)
         record("update_priorities_256", lambda: pri.update_priorities(s, prio))
