@@ -197,6 +197,38 @@ def test_non_idempotent_commands_are_not_resent():
     assert len(seen) == 1
 
 
+def test_a_timer_signal_does_not_stretch_the_wait():
+    """A signal handled while the client waits (a profiler's or watchdog's timer) must not
+    restart the wait with the whole timeout each time: the call still ends near its deadline
+    (pyzmq's poll may overrun an interrupted wait by up to a second; not by the 5 s of ticks)."""
+    import signal
+    import time
+
+    from ingestd import ControlClient, DaemonUnavailable
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # receives, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    ticks_until = time.monotonic() + 5.0
+
+    def tick(*_):
+        if time.monotonic() > ticks_until:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    previous = signal.signal(signal.SIGALRM, tick)
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    try:
+        with ControlClient(f"tcp://127.0.0.1:{port}", timeout=0.5, retries=0) as client:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable):
+                client.ping()
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        silent.close(0)
+
+
 def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path):
     import socket
 

@@ -112,6 +112,29 @@ def test_sample_into_refuses_a_foreign_or_misfit_batch(shm_dir):
             reader.empty_batch(0)
 
 
+def test_sample_into_a_batch_whose_memory_moved(shm_dir):
+    """share_memory_() (which sending the batch through a torch.multiprocessing queue does too)
+    moves its storage in place: the rows must follow it. New keys are fine (a TorchRL loss
+    writes its td_error), but a replaced leaf (set, pin_memory(inplace=True)) would be left out
+    of every later sample, so sampling into that batch is refused."""
+    path = filled(shm_dir / "r", capacity=64, rows=100)
+    with ReplayReader(path, seed=4) as reader, PayloadStorage.open(path) as store:
+        out = reader.empty_batch(32)
+        reader.sample(32, out=out)
+        out.share_memory_()
+        assert out.get(WI).is_shared()
+        store.write(rp.template(store.schema, 64))
+        reader.sample(32, out=out)
+        assert int(out.get(WI).min()) >= 100 and not rp.bad_rows(out, reader.schema).any()
+        other = reader.empty_batch(32)  # (share_memory_ locks a TensorDict: a new one for the rest)
+        other.set("td_error", torch.ones(32))
+        reader.sample(32, out=other)
+        assert not rp.bad_rows(other, reader.schema).any()
+        other.set(WI, torch.zeros(32, dtype=torch.int64))
+        with pytest.raises(ValueError, match="replaced"):
+            reader.sample(32, out=other)
+
+
 def test_sample_into_an_empty_store_waits_like_sample(shm_dir):
     with PayloadStorage.create(shm_dir / "r", rp.spec("cartpole"), 64) as store, ReplayReader(store.path) as reader:
         out = reader.empty_batch(4)

@@ -77,6 +77,7 @@ class ControlClient:
         self.curve_keys = curve_keys
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None  # of _socket, made with it (a Poller per call costs)
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}-"
         self._lock = threading.Lock()
@@ -164,9 +165,10 @@ class ControlClient:
         raise DaemonUnavailable(self._silence(request.cmd, budget, sent))
 
     def _attempt(self, frames: list, request_id: str, budget: float) -> Reply | None:
-        """Send, then wait for the reply with a blocking receive under ``RCVTIMEO`` (cheaper than a
-        ``poll`` then a receive: ``Socket.poll`` builds a ``Poller`` on every call)."""
-        sock = self._connected()
+        """Send, then wait for the reply with the socket's own ``Poller`` (``Socket.poll`` builds
+        one per call). Not ``RCVTIMEO``: pyzmq restarts an interrupted receive with the whole
+        timeout, so a signal arriving more often than that (a timer) would keep it waiting."""
+        sock, poller = self._connected(), self._poller
         if len(frames) == 1:
             sock.send(frames[0])
         else:
@@ -177,13 +179,9 @@ class ControlClient:
             if remaining <= 0:
                 self._discard()  # lazy pirate: a fresh socket for the next attempt
                 return None
-            sock.setsockopt(_RCVTIMEO, max(1, int(remaining * 1000)))
-            try:
-                reply = _recv_frames(sock)
-            except zmq.Again:
-                self._discard()
-                return None
-            reply = decode_reply(reply)
+            if not poller.poll(max(1, int(remaining * 1000))):
+                continue  # the deadline passed, or a signal cut the wait short
+            reply = decode_reply(_recv_frames(sock))
             if reply.id == request_id:
                 return reply
             # a late reply to an abandoned request: drop it and keep waiting
@@ -196,13 +194,14 @@ class ControlClient:
             if self.curve_keys is not None:
                 self.curve_keys.apply(sock)
             sock.connect(self.address)
-            self._socket = sock
+            self._socket, self._poller = sock, zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
         return self._socket
 
     def _discard(self) -> None:
         if self._socket is not None:
             self._socket.close(linger=0)
-            self._socket = None
+            self._socket = self._poller = None
 
     def _silence(self, cmd: str, budget: float, attempts: int) -> str:
         hint = ""
@@ -231,13 +230,13 @@ class ControlClient:
         return f"ControlClient({self.address!r}, timeout={self.timeout})"
 
 
-_RCVTIMEO, _RCVMORE, _NOBLOCK = int(zmq.RCVTIMEO), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+_RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """One message (``zmq.Again`` after ``RCVTIMEO``): a reply is one frame, so the usual case is
-    one receive and one ``RCVMORE`` check (plain-int options: pyzmq's enums cost microseconds)."""
-    frames = [sock.recv()]
+    """One waiting message: a reply is one frame, so the usual case is one receive and one
+    ``RCVMORE`` check (plain-int options: pyzmq's enums cost microseconds)."""
+    frames = [sock.recv(_NOBLOCK)]
     while sock.getsockopt(_RCVMORE):
         frames.append(sock.recv(_NOBLOCK))
     return frames

@@ -135,7 +135,10 @@ class PriorityTree:
         return float(self.levels[-1][0])
 
     def enter(self, slots: np.ndarray) -> None:
-        """New rows (just committed) enter at the current maximum priority."""
+        """New rows (just committed) enter at the current maximum priority. ``slots``: one
+        chunk's slots in write order, consecutive modulo the capacity (``index % capacity``):
+        a chunk that does not wrap is told by its ends alone and enters by slices (so other
+        slots, such as ``[0, 5, 2]``, would set ``0..2``); use :meth:`update` for those."""
         slots = np.asarray(slots, dtype=np.int64)
         if slots.size == 0:
             return
