@@ -140,13 +140,13 @@ def test_stratified_draw_is_exact_per_batch_and_shuffled(shm_dir):
 @pytest.mark.parametrize("first,n", [(0, 1), (0, 16), (5, 4096), (69_990, 10), (12_345, 20_000),
                                      (69_995, 10), (60_000, 70_000)])
 def test_a_run_of_slots_enters_consistently(shm_dir, first, n):
-    """Chunks that do not wrap enter by slices, those that wrap by index; either way the sums
-    above must match a full re-sum."""
+    """Chunks enter by slices (two where they wrap the ring); the sums above must match a full
+    re-sum."""
     tree = PriorityTree.attach(shm_dir, 70_000)
     tree.update(np.arange(70_000), np.random.default_rng(first).random(70_000))
     tree.update(np.array([0]), np.array([3.0]))  # the max leaf new rows enter at
     slots = np.arange(first, first + n) % 70_000
-    tree.enter(slots)
+    tree.enter(first, n)
     assert np.all(tree.levels[0][slots] == 3.0) and tree_consistent(tree)
     tree.close()
 

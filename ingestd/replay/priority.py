@@ -134,22 +134,17 @@ class PriorityTree:
     def total(self) -> float:
         return float(self.levels[-1][0])
 
-    def enter(self, slots: np.ndarray) -> None:
-        """New rows (just committed) enter at the current maximum priority. ``slots``: one
-        chunk's slots in write order, consecutive modulo the capacity (``index % capacity``):
-        a chunk that does not wrap is told by its ends alone and enters by slices (so other
-        slots, such as ``[0, 5, 2]``, would set ``0..2``); use :meth:`update` for those."""
-        slots = np.asarray(slots, dtype=np.int64)
-        if slots.size == 0:
+    def enter(self, first: int, n: int) -> None:
+        """New rows (just committed: ``n`` slots from slot ``first``, wrapping around the ring)
+        enter at the current maximum priority, by slices: one run, or two where they wrap."""
+        if n <= 0:
             return
-        first, last = int(slots[0]), int(slots[-1])
+        head = min(n, self.capacity - first)
+        runs = [(first, first + head)] + ([(0, n - head)] if head < n else [])
         with self.locked():
-            if last - first + 1 == slots.size:  # one run of slots (a chunk that does not wrap): slices
-                self.levels[0][first:last + 1] = self._max[0]
-                self._propagate_run(first, last + 1)
-                return
-            self.levels[0][slots] = self._max[0]
-            self._propagate(np.sort(slots) if slots.size > 1 and first > last else slots)
+            for lo, hi in runs:
+                self.levels[0][lo:hi] = self._max[0]
+                self._propagate_run(lo, hi)
 
     def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
                expected_seq: np.ndarray | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -55,9 +55,7 @@ class ReplayReader(MappedStore):
         self._columns = [self.leaves[k] for k in self._layout.columns]
         self._order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
         self._plans = {(): _plan_nodes(self._order)}  # extra keys -> how to nest the leaves
-        # id of a batch from empty_batch -> (weakref, blocks, columns, the blocks' tensors, their
-        # addresses, a test that its nodes and leaves are still the ones made)
-        self._outs: dict[int, tuple] = {}
+        self._outs: dict[int, _Out] = {}  # id of a batch from empty_batch -> its parts
         self._new_td = _td_factory()
         from ingestd.replay.sampling import Sampling
 
@@ -135,14 +133,13 @@ class ReplayReader(MappedStore):
         n = int(batch_size)
         if n <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        blocks = [np.empty((shape[0], n, *shape[1:]), dtype) for _, shape, dtype, _, _ in self._groups]
-        tensors = [torch.from_numpy(block) for block in blocks]
+        blocks = [torch.from_numpy(np.empty((shape[0], n, *shape[1:]), dtype))  # (leaves, n, *shape)
+                  for _, shape, dtype, _, _ in self._groups]
         columns = [torch.empty((n, *c.shape[1:]), dtype=c.dtype) for c in self._columns]
-        flat = [leaf for tensor in tensors for leaf in tensor.unbind(0)] + columns
+        flat = [leaf for block in blocks for leaf in block.unbind(0)] + columns
         extra = self._sampling.extra_keys(n)
         batch = self._build(flat + list(extra.values()), n, self._plan_with(tuple(extra)) if extra else None)
-        self._outs[id(batch)] = (weakref.ref(batch), blocks, columns, tensors, [t.data_ptr() for t in tensors],
-                                 _unchanged(batch))
+        self._outs[id(batch)] = _Out(batch, blocks, columns)
         weakref.finalize(batch, self._outs.pop, id(batch), None)
         return batch
 
@@ -150,29 +147,15 @@ class ReplayReader(MappedStore):
         if out.batch_size != torch.Size([n]):
             raise ValueError(f"out has batch size {list(out.batch_size)}, but {n} rows were asked for")
         made = self._outs.get(id(out))
-        if made is None or made[0]() is not out:
+        if made is None or made.batch() is not out:
             raise ValueError("out must be a batch made by this reader's empty_batch(n)")
-        ref, blocks, columns, tensors, addresses, unchanged = made
-        if not unchanged():
+        if not made.unchanged():
             raise ValueError("a leaf of out was replaced (set of an existing key, or pin_memory(inplace=True)), "
                              "so it would no longer receive rows; make a new batch with empty_batch(n)")
-        if [t.data_ptr() for t in tensors] != addresses:  # moved in place (share_memory_): write where it is now
-            blocks, addresses = [t.numpy() for t in tensors], [t.data_ptr() for t in tensors]
-            self._outs[id(out)] = (ref, blocks, columns, tensors, addresses, unchanged)
-        into = (out, blocks, columns)
+        into = (out, made.arrays(), made.columns)
         if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
             return self._sampling.sample(n, timeout, into)
-        return self._retrying(lambda: self._sample_rows_into(into, n), timeout)
-
-    def _sample_rows_into(self, into: tuple, n: int) -> TensorDict | None:
-        """Uniform rows copied into ``into`` = ``(batch, blocks, columns)``; None if there are none."""
-        filled = len(self)
-        if filled == 0:
-            return None
-        records, columns, bad = self._copy(self._draw(n, filled), into[2])
-        if bad is not None and not self._redraw(records, columns, bad, filled):
-            return None
-        return self._finish(records, columns, n, None, into)
+        return self._retrying(lambda: self._sample(n, into), timeout)
 
     def _finish(self, records: np.ndarray, columns: list, n: int, extra: dict | None, into: tuple | None):
         """The sample of the copied rows: a new TensorDict, or (``into``, whose large leaves were
@@ -180,21 +163,22 @@ class ReplayReader(MappedStore):
         if into is None:
             return self._assemble(records, columns, n, extra)
         batch, blocks, _ = into
-        record_bytes = self._layout.record_bytes
-        for block, (_, shape, dtype, offset, strides) in zip(blocks, self._groups):
-            np.copyto(block, np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides)).swapaxes(0, 1))
+        for block, rows in zip(blocks, self._group_rows(records, n)):
+            np.copyto(block, rows.swapaxes(0, 1))
         for key, value in (extra or {}).items():
             batch.get(key).copy_(value)
         return batch
 
-    def _sample(self, n: int) -> TensorDict | None:
+    def _sample(self, n: int, into: tuple | None = None) -> TensorDict | None:
+        """``n`` uniform rows (a new TensorDict, or copied into ``into`` = ``(batch, blocks,
+        columns)`` of an ``empty_batch``); None if there are none."""
         filled = len(self)
         if filled == 0:
             return None
-        records, columns, bad = self._copy(self._draw(n, filled))
+        records, columns, bad = self._copy(self._draw(n, filled), None if into is None else into[2])
         if bad is not None and not self._redraw(records, columns, bad, filled):
             return None
-        return self._assemble(records, columns, n)
+        return self._finish(records, columns, n, None, into)
 
     def gather(self, index) -> TensorDict:
         """Copy the rows at slots ``index``; slots that are not committed, or change during
@@ -265,16 +249,19 @@ class ReplayReader(MappedStore):
         """The nested TensorDict of ``n`` copied rows, plus the ``extra`` leaves (key -> tensor
         with leading dimension ``n``), set as the tree is built (cheaper than setting them after)."""
         flat: list[torch.Tensor] = []
-        record_bytes = self._layout.record_bytes
-        for _, shape, dtype, offset, strides in self._groups:
-            # (n, leaves, *shape) through the gathered records -> contiguous (leaves, n, *shape)
-            rows = (np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides)) if n
-                    else np.empty((0, *shape), dtype))
+        for rows in self._group_rows(records, n):  # -> contiguous (leaves, n, *shape), one leaf each
             flat.extend(torch.from_numpy(rows.swapaxes(0, 1).copy()).unbind(0))
         flat.extend(columns)
         if extra:
             flat.extend(extra.values())
         return self._build(flat, n, self._plan_with(tuple(extra)) if extra else None)
+
+    def _group_rows(self, records: np.ndarray, n: int) -> Iterator[np.ndarray]:
+        """Each run of small leaves as an ``(n, leaves, *shape)`` view through the gathered records."""
+        record_bytes = self._layout.record_bytes
+        for _, shape, dtype, offset, strides in self._groups:
+            yield (np.ndarray((n, *shape), dtype, records, offset, (record_bytes, *strides)) if n
+                   else np.empty((0, *shape), dtype))
 
     def _build(self, flat: list[torch.Tensor], n: int, plan: list | None = None) -> TensorDict:
         """The nested TensorDict of the leaves ``flat`` (in the order of ``plan``)."""
@@ -333,6 +320,28 @@ def _plan_nodes(order: list) -> list[tuple[list[tuple[str, int]], list[tuple[str
         children = [(p[-1], number[p]) for p in nodes if len(p) == len(prefix) + 1 and p[:-1] == prefix]
         plan.append((leaves, children))
     return plan
+
+
+class _Out:
+    """The parts of a batch from ``empty_batch``: a weak reference to it, its blocks of small
+    leaves (``(leaves, n, *shape)`` tensors) and its columns, and a test that its nodes and
+    leaves are still the ones made."""
+
+    __slots__ = ("batch", "blocks", "columns", "unchanged", "_arrays", "_addresses")
+
+    def __init__(self, batch: TensorDict, blocks: list[torch.Tensor], columns: list[torch.Tensor]):
+        self.batch, self.blocks, self.columns = weakref.ref(batch), blocks, columns
+        self.unchanged = _unchanged(batch)
+        self._addresses: list[int] = []
+        self._arrays: list[np.ndarray] = []
+
+    def arrays(self) -> list[np.ndarray]:
+        """The blocks as numpy arrays of their memory as it is now (``share_memory_`` moves it in
+        place); made again only then, as ``Tensor.numpy`` costs a microsecond each."""
+        addresses = [block.data_ptr() for block in self.blocks]
+        if addresses != self._addresses:
+            self._arrays, self._addresses = [block.numpy() for block in self.blocks], addresses
+        return self._arrays
 
 
 def _unchanged(batch: TensorDict) -> Callable[[], bool]:

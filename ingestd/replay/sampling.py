@@ -173,7 +173,7 @@ class Sampling:
         if self.max_policy_lag is not None:
             self._min_version = self.weights_version() - self.max_policy_lag
         if self.tree is None and self._min_version is None:
-            out = r._sample(n) if into is None else r._sample_rows_into(into, n)
+            out = r._sample(n, into)
             if out is not None:
                 self._note_lag(out)
             return out

@@ -280,7 +280,7 @@ class ReplayStorage(MappedStore):
                     self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
                 self._release(index)
         if slots.committed:
-            self._priorities.enter(index % self.capacity)
+            self._priorities.enter(int(index[0]) % self.capacity, index.size)
 
     def _commit(self, slots: "Slots", batch: TensorDictBase) -> None:
         """Fill the reserved slots from a validated batch of their size and mark them committed."""
