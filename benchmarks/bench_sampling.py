@@ -5,8 +5,9 @@ update_priorities throughput, while 2 writer processes write CartPole chunks. Pr
 
 The storage (under /dev/shm, removed at the end) is first filled with real CartPole
 rollouts (64 sub-envs x 16 steps per chunk, 4 simulated workers), so sequences follow
-real trajectories. Every rate is given per wall-clock second (``..._per_s``) and per
-CPU-second of the sampling process (``..._per_cpu_s``: less sensitive to other load on
+real trajectories. The 2 writers run at the daemon's worker niceness (+5), as its workers
+do (``--writers-nice 0`` for writers as busy as the sampler). Every rate is given per
+wall-clock second (``..._per_s``) and per CPU-second of the sampling process (``..._per_cpu_s``: less sensitive to other load on
 the machine), with the load average before and after; "targets" says whether the
 issue's targets are met. TorchRL is compared when importable (optional).
 """
@@ -28,6 +29,7 @@ from ingestd.collect.envs import CartPole
 from ingestd.collect.interfaces import EnvContext
 from ingestd.collect.policies import Random
 from ingestd.collect.rollout import Rollout
+from ingestd.collect.worker import WORKER_NICE
 from ingestd.replay import ReplayReader, ReplayStorage
 
 NUM_ENVS, CHUNK = 64, 16
@@ -40,8 +42,9 @@ def rollout(worker: int) -> Rollout:
     return Rollout(env, Random(env.spec, seed=worker), worker, worker << 32, CHUNK)
 
 
-def writer(path: str, worker: int, stop) -> None:
+def writer(path: str, worker: int, stop, nice: int) -> None:
     torch.set_num_threads(1)
+    os.nice(nice)  # by default as the daemon's workers run: collectors yield to the trainer
     r = rollout(worker)
     with ReplayStorage.open(path) as store:
         while not stop.value:
@@ -88,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capacity", type=int, default=1_000_000)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--writers-nice", type=int, default=WORKER_NICE,
+                    help="niceness of the 2 writers (default: the daemon's workers', +5)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="ingestd-bench-", dir="/dev/shm")
@@ -105,10 +110,11 @@ def main() -> None:
         fill_s = time.perf_counter() - t0
         ctx = mp.get_context("fork")
         stop = ctx.Value("b", 0, lock=False)
-        procs = [ctx.Process(target=writer, args=(path, 10 + w, stop), daemon=True) for w in range(2)]
+        procs = [ctx.Process(target=writer, args=(path, 10 + w, stop, args.writers_nice), daemon=True) for w in range(2)]
         for p in procs:
             p.start()
         results: dict = {"capacity": args.capacity, "fill_seconds": round(fill_s, 1), "writers": 2,
+                         "writers_nice": args.writers_nice,
                          "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                          "loadavg_before": os.getloadavg()}
         w0 = store.write_count

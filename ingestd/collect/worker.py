@@ -25,7 +25,7 @@ from ingestd.replay.limiter import hold_worker
 log = logging.getLogger("ingestd.worker")
 
 _PR_SET_PDEATHSIG = 1
-_WORKER_NICE = 5
+WORKER_NICE = 5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _PAUSED_POLL_S = 0.001
 
@@ -84,7 +84,7 @@ def _child_setup() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    os.nice(_WORKER_NICE)  # collectors yield to the daemon's control thread and to trainers
+    os.nice(WORKER_NICE)  # collectors yield to the daemon's control thread and to trainers
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the daemon, even if it is SIGKILLed

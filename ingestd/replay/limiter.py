@@ -200,6 +200,10 @@ class Limiter:
         return None
 
     def count_samples(self, n: int) -> None:
+        """Add ``n`` sampled rows (only while enabled: a disabled limiter is re-anchored when
+        enabled, and its flock would cost every sample ~8 us)."""
+        if not self._i[W_ENABLED]:
+            return
         with self._locked():
             self._i[W_SAMPLES] += n
 
