@@ -8,7 +8,7 @@
 The limiter keeps ``error = (inserts - base_inserts) * samples_per_insert
 - (samples - base_samples) + offset`` inside ``[min_diff, max_diff]``, where
 ``inserts`` is the storage's ``write_count`` and ``samples`` counts the rows
-every rate-limited reader has sampled.
+every rate-limited reader has sampled while the limiter was enabled.
 
 - A **worker** checks before each chunk: while ``inserts >= min_size`` and
   ``error > max_diff`` it waits (its state stays ``running``; ``pause_reason``
