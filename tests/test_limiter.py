@@ -114,6 +114,21 @@ def test_changes_re_anchor_the_error(shm_dir):
         lim.close()
 
 
+def test_samples_are_counted_only_while_enabled(shm_dir):
+    """A disabled limiter takes no flock per sample; enabling it re-anchors the error anyway."""
+    with store_with(shm_dir / "r", n=100) as store, ReplayReader(store.path, seed=0, sampler="prioritized") as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        r.sample(10)  # prioritized: through the limiter-aware path even while disabled
+        assert lim.samples == 0
+        lim.configure(LimiterParams(True, 0, 1.0, -50.0, 50.0))
+        r.sample(10)
+        assert lim.samples == 10 and lim.error() == -10
+        lim.configure(LimiterParams(False, 0, 1.0, -50.0, 50.0))
+        r.sample(10)
+        assert lim.samples == 10
+        lim.close()
+
+
 # -- end to end: the trainer stops ----------------------------------------------------------------
 def _metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
