@@ -10,9 +10,11 @@ The hot path is built to add as little as possible to the env and policy:
   once; every root gets its step's row as one prebuilt ``"ingestd"`` sub-td
   (one ``set`` per step instead of five), ``worker`` and ``env`` are written
   once, ``policy_version`` once per chunk, and ``episode``/``step`` are
-  advanced from the previous step's ``done`` with in-place numpy ops on
-  views of those buffers (a numpy op on a ``[B]`` row costs a fifth of a
-  torch op), so the env sees each step's stamps when it steps;
+  advanced from the previous step's ``done`` with three in-place torch ops
+  on ``[B, 1]`` views of those buffers, so the env sees each step's stamps
+  when it steps (torch, not numpy: alone a numpy op on a ``[B]`` row costs
+  a fifth of a torch op, but between the env's and the policy's torch calls
+  numpy's run several times slower, and a chunk with torch ops is faster);
 - the transitions' leaves are not stacked as TensorDicts: each small leaf
   is stacked once per chunk straight into its own ``[chunk_steps, num_envs,
   ...]`` buffer, and each large one (image batches) is copied into its buffer
@@ -74,8 +76,7 @@ class Rollout:
         n, t = env.num_envs, chunk_steps
         self.env, self.policy, self.chunk_steps = env, policy, chunk_steps
         self._n = n
-        # carried from chunk to chunk: the state of the step about to be taken. The per-step
-        # bookkeeping is done on numpy views of [B] rows: a numpy op on them costs a fifth of a torch op
+        # carried from chunk to chunk: the state of the step about to be taken
         self._episode = np.full(n, episode_base, dtype=np.int64)
         self._step = np.zeros(n, dtype=np.int64)
         self._return = np.zeros(n, dtype=np.float64)
@@ -88,11 +89,15 @@ class Rollout:
         self._fast_set = True
         self._stamp_tds = [_tensordict({f: buf[i] for f, buf in self._stamps.items()}, batch) for i in range(t)]
         self._step_np, self._episode_np = self._stamps["step"].numpy(), self._stamps["episode"].numpy()
-        self._done = np.empty((t, n), dtype=bool)
-        # the [B] rows of each step, made once: indexing a numpy array costs as much as an op on the row
-        self._step_rows, self._episode_rows = list(self._step_np), list(self._episode_np)
-        self._done_rows = list(self._done)
-        self._returns = np.empty((t, n), dtype=np.float64)
+        # each step's row of the step and episode stamps as a [B, 1] view, made once: shaped like the
+        # done flags that advance them, so a step reshapes nothing
+        self._step_cols = self._stamps["step"].view(t, n, 1).unbind(0)
+        self._episode_cols = self._stamps["episode"].view(t, n, 1).unbind(0)
+        # the episode accounting's [T, B] done flags and returns; numpy views for the accounting itself
+        self._dones = torch.empty((t, n, 1), dtype=torch.bool)  # each step's done, stacked once per chunk
+        self._done = self._dones.view(t, n).numpy()
+        self._returns_t = torch.empty((t, n), dtype=torch.float64)
+        self._returns = self._returns_t.numpy()
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
         self._eager: list[tuple] = []  # (key, buffer) of large leaves, copied step by step
         self._lazy: list[tuple] = []  # (key, buffer) of small leaves, stacked once per chunk
@@ -113,9 +118,10 @@ class Rollout:
         shape and dtype fit is copied there step by step, and its rows are that tensor."""
         steps = self.chunk_steps
         self._stamps["policy_version"].fill_(policy_version)
-        step, episode, done = self._step_rows, self._episode_rows, self._done_rows
-        step[0][:], episode[0][:] = self._step, self._episode
+        step, episode = self._step_cols, self._episode_cols
+        self._step_np[0], self._episode_np[0] = self._step, self._episode
         per_step: list[dict] = []
+        dones: list[torch.Tensor] = []
         policy, env, root = self.policy, self.env, self._root
         for t in range(steps):
             self._stamp(root, t)
@@ -128,14 +134,15 @@ class Rollout:
             if len(leaves) != self._width:
                 raise RuntimeError("the env's transitions do not all have the same keys; every step must "
                                    "produce the same keys")
-            np.copyto(done[t], _done_of(leaves, self._n))
+            done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
+            dones.append(done)
             if t + 1 < steps:  # the next step's stamps: a new episode where this one ended
-                np.add(step[t], 1, out=step[t + 1])
-                np.copyto(step[t + 1], 0, where=done[t])
-                np.add(episode[t], done[t], out=episode[t + 1])
+                torch.add(step[t], 1, out=step[t + 1]).masked_fill_(done, 0)
+                torch.add(episode[t], done, out=episode[t + 1])
         self._root = root
+        torch.stack(dones, out=self._dones)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
             try:
@@ -223,16 +230,16 @@ class Rollout:
         0 (or from the return carried in from the previous chunk), exactly as a per-step
         ``ret = ret + reward`` would give."""
         done, step, ret = self._done, self._step_np, self._returns
-        reward = _rewards_of(self._leaves.get(_REWARD), self.chunk_steps, self._n)
-        np.copyto(ret, reward)  # where an episode begins: its first reward
-        np.add(self._return, reward[0], out=ret[0])
+        _rewards_into(self._returns_t, self._leaves.get(_REWARD))  # where an episode begins: its first reward
+        np.add(self._return, ret[0], out=ret[0])
         keep = np.logical_not(done)
         for t in range(1, self.chunk_steps):  # ret[t] = ret[t-1] + reward[t] where the episode goes on
-            np.add(ret[t - 1], reward[t], out=ret[t], where=keep[t - 1])
+            np.add(ret[t - 1], ret[t], out=ret[t], where=keep[t - 1])
         finished = Finished()
-        if done.any():
-            finished.returns = ret[done].tolist()
-            finished.lengths = (step[done] + 1).tolist()
+        ended = np.flatnonzero(done)  # once for both lists: a boolean index would search twice
+        if ended.size:
+            finished.returns = ret.take(ended).tolist()
+            finished.lengths = (step.take(ended) + 1).tolist()
         last = done[-1]
         self._return = np.where(last, 0.0, ret[-1])
         self._step = np.where(last, 0, step[-1] + 1)
@@ -240,12 +247,14 @@ class Rollout:
         return finished
 
 
-def _rewards_of(reward: torch.Tensor | None, steps: int, n: int) -> np.ndarray:
-    """The float64 ``[T, B]`` reward of each step and sub-env (summed over a reward's extra dims)."""
+def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:
+    """``out`` (float64 ``[T, B]``) = the reward of each step and sub-env (summed over a reward's extra dims)."""
     if reward is None:  # check_rows refuses it with the message
-        return np.zeros((steps, n))
-    reward = reward.view(steps, n) if reward.numel() == steps * n else reward.reshape(steps, n, -1).sum(-1)
-    return reward.detach().to(torch.float64).cpu().numpy()
+        out.zero_()
+    elif reward.numel() == out.numel():
+        out.copy_(reward.detach().view(out.shape))  # copy_ casts to float64: exact, one op
+    else:
+        out.copy_(reward.detach().reshape(*out.shape, -1).sum(-1))
 
 
 def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
@@ -304,14 +313,14 @@ def _pick(leaves: dict, key) -> torch.Tensor:
                            "produce the same keys") from None
 
 
-def _done_of(leaves: dict, n: int) -> np.ndarray:
-    """``done [B]`` of one transition: any of the ``("next", "done")`` entries of a sub-env."""
+def _done_of(leaves: dict, n: int) -> torch.Tensor:
+    """``done [B, 1]`` (bool, on the CPU) of one transition: any of the ``("next", "done")`` entries of a sub-env."""
     done = leaves.get(_DONE)
     if done is None:
         raise EnvFault("the env's transitions have no ('next', 'done') entry")
-    if done.dtype != torch.bool or done.numel() != n:
-        done = done.reshape(n, -1).any(-1)
-    return (done if done.is_cpu else done.cpu()).numpy().reshape(n)
+    if done.dtype != torch.bool or done.shape != (n, 1):  # anything but the TorchRL layout
+        done = done.reshape(n, -1).any(-1, keepdim=True).to(torch.bool)  # any() of uint8 is uint8
+    return done if done.is_cpu else done.cpu()
 
 
 def check_rows(rows: TensorDict) -> None:
