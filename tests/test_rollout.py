@@ -87,9 +87,36 @@ class Noisy(TorchEnv):
         return torch.zeros(self.num_envs, 2), draw[0] * 3 - 1, draw[1] < 0.1, draw[2] < 0.05, {}
 
 
-def test_stamps_and_finished_episodes_match_a_step_by_step_account():
+class DoneAs:
+    """An env whose transitions carry ``("next", "done")`` in another layout than TorchRL's."""
+
+    def __init__(self, env, convert):
+        self.env, self.convert = env, convert
+        self.num_envs, self.spec = env.num_envs, env.spec
+
+    def reset(self):
+        return self.env.reset()
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.env.step_and_maybe_reset(td)
+        transition.set(("next", "done"), self.convert(transition.get(("next", "done"))))
+        return transition, root
+
+
+DONE_LAYOUTS = {
+    "bool [B, 1]": None,
+    "uint8 [B, 1]": lambda done: done.to(torch.uint8),
+    "bool [B]": lambda done: done.view(-1),
+    "bool [B, 2]": lambda done: torch.cat((torch.zeros_like(done), done), dim=1),
+}
+
+
+@pytest.mark.parametrize("layout", DONE_LAYOUTS)
+def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout):
     steps, envs, base = 7, 5, 9 << 32
     env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base))
+    if DONE_LAYOUTS[layout] is not None:
+        env = DoneAs(env, DONE_LAYOUTS[layout])
     rollout = Rollout(env, Random(env.spec, seed=1), 2, base, steps)
     ret, step, episode = [0.0] * envs, [0] * envs, [base] * envs
     total_finished = 0
@@ -104,7 +131,7 @@ def test_stamps_and_finished_episodes_match_a_step_by_step_account():
                 assert stamps == [2, i, episode[i], step[i], version]
                 ret[i] = ret[i] + float(row["next", "reward"])  # float64, in step order
                 step[i] += 1
-                if bool(row["next", "done"]):
+                if bool(row["next", "done"].any()):
                     returns.append(ret[i])
                     lengths.append(step[i])
                     ret[i], step[i], episode[i] = 0.0, 0, episode[i] + 1
