@@ -10,6 +10,11 @@ windows and is given twice: per wall-clock second, and per CPU second of the mea
 process (``process_time``). On a machine shared with other work the wall rates fall with
 the load; the CPU rates estimate what an otherwise idle machine would do (each of the
 writer and the reader on its own core), and still show memory-bandwidth interference.
+
+``control_busy_loop`` is the control for the writer-slowdown figures: the reader process
+spins a pure-Python loop that touches no storage. The writer "slowdown" it causes is what
+the machine itself does to a writer when the other core is busy (on a shared VM: +-15 %
+from window to window), the yardstick for the slowdowns the samplers cause.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ KINDS = {  # capacity, rows per write, observation shape and dtype
 }
 SAMPLE_SIZES = (256, 4096)
 # the reader's modes in the concurrent windows: name -> (batch size, into a reused empty_batch)
-READER_MODES = {"sample_256": (256, False), "sample_4096": (4096, False), "sample_256_into": (256, True)}
+READER_MODES = {"sample_256": (256, False), "sample_4096": (4096, False), "sample_256_into": (256, True),
+                "control_busy_loop": (0, False)}  # the control: the reader's core busy, no storage touched
 
 
 class Rate(NamedTuple):
@@ -139,9 +145,11 @@ def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) 
                 continue
             size, into = READER_MODES[mode]
             batch = outs[size] if into else None
+            step = (lambda: sum(range(1000)) * 0 + 1) if size == 0 else \
+                (lambda: reader.sample(size, out=batch) is not None)
             while time.monotonic() < start:
                 time.sleep(0.0005)
-            out.put(("reader", start, run(lambda: reader.sample(size, out=batch) is not None, until=stop)))
+            out.put(("reader", start, run(step, until=stop)))
 
 
 def concurrent(ctx, path: str, kind: str, args) -> dict:
