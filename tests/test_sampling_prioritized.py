@@ -102,6 +102,22 @@ def test_descent_at_the_total_stays_in_the_tree(shm_dir):
         tree.close()
 
 
+@pytest.mark.parametrize("n", [6, 600])  # numpy's matrix product, and torch's above 512 rows
+def test_descent_stays_in_the_tree_when_sums_are_not_finite(shm_dir, n):
+    """Leaves near the float64 maximum make the sums above them inf (and ``0 * inf`` a NaN in
+    the children's prefix sums), and a NaN or negative ``u`` is never drawn: every descent
+    still ends on a leaf of the tree, and a ``u`` inside the first leaf on that leaf."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        tree = tree_of(shm_dir, np.full(70_000, 1e308))
+        try:
+            u = np.resize([0.0, 1e300, tree.total, np.nan, -1.0, 5.0], n)
+            got = tree.descend(u)
+            assert ((got >= 0) & (got < tree.leaf_count)).all(), got[:6]
+            assert (got[(u >= 0) & (u < 1e308)] == 0).all(), got[:6]
+        finally:
+            tree.close()
+
+
 # -- sampling statistics --------------------------------------------------------------------------
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_frequencies_match_priorities_chi_square(shm_dir, alpha):

@@ -204,8 +204,10 @@ class PriorityTree:
 
         Below the searched top level, each step takes the ``K`` children of every point's node,
         their exclusive prefix sums (one matrix product), and counts the children whose sum
-        before them is at most ``u``: that count is the chosen child plus one (child 0 always
-        counts, so it never exceeds ``K``), and the sum before it comes from the same matrix."""
+        before them is at most ``u``: that count is the chosen child plus one, and the sum
+        before it comes from the same matrix. Child 0 is counted whatever the comparison says
+        (a NaN, from a NaN ``u`` or from sums that overflowed to inf, compares false), so the
+        count is 1 to ``K`` and every descent ends inside the tree."""
         top = self.levels[self._top]
         torch.cumsum(self._top_t, 0, out=self._prefix_t[1:])  # a third of numpy's time at 4096 nodes
         prefix = self._prefix
@@ -219,6 +221,7 @@ class PriorityTree:
         for block in reversed(self._blocks[:self._top]):
             before = _exclusive_sums(np.take(block, idx, axis=0))  # [n, K]: the sum before each child
             np.less_equal(before, column, out=passed)
+            passed[:, 0] = True  # child 0 counts even where a NaN compared false
             counts = np.bitwise_count(passed.view(np.uint64))  # K bools = 2 words of 0/1 bytes
             j = counts[:, 0] + counts[:, 1]  # the chosen child + 1
             u -= before.ravel().take(before_child + j)  # (column is a view of u)
