@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--writers-nice", type=int, default=WORKER_NICE,
                     help="niceness of the 2 writers (default: the daemon's workers', +5)")
     args = ap.parse_args()
+    if args.writers_nice < 0:
+        ap.error(f"--writers-nice must be >= 0 (a niceness increment), got {args.writers_nice}")
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="ingestd-bench-", dir="/dev/shm")
     path = os.path.join(root, "replay")
