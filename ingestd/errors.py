@@ -27,6 +27,14 @@ class StorageFull(IngestdError, OSError):
     """The file system has no room for a new storage's files (they are allocated up front)."""
 
 
+class SnapshotExists(IngestdError, FileExistsError):
+    """A snapshot (or a storage restored from one) would overwrite an existing path."""
+
+
+class BadSnapshot(IngestdError, ValueError):
+    """A snapshot directory is incomplete, corrupt, or of an unknown format."""
+
+
 class EmptyReplay(IngestdError, LookupError):
     """Sampling was asked of a storage with no committed rows (non-blocking call)."""
 

@@ -1,0 +1,262 @@
+"""Snapshots: a compressed copy of a replay storage, taken while workers keep writing.
+
+::
+
+    <snapshot>/meta.json       the storage's own meta.json (format, schema, capacity, layout)
+    <snapshot>/snapshot.json   this format's name and version, write_count, incarnations,
+                               rows, skipped, block_rows, written_at
+    <snapshot>/seq.lz4         one int64 sequence number per slot; 0 for slots left out
+    <snapshot>/data.lz4        for each block of ``block_rows`` slots: the block's records,
+                               then each column's rows of the block (raw bytes)
+
+Both ``.lz4`` files are lz4 frames with block and content checksums, so a damaged
+snapshot is refused on restore rather than restored wrong.
+
+**Consistency without stopping anyone.** A block of slots is copied between two
+reads of its sequence numbers, as a sample is: a slot whose number changed during
+the copy, or was odd (being written), is left out (its number is stored as 0, so it
+reads as never written). Every row in a snapshot is a committed row, intact. Rows a
+worker commits while the snapshot runs may or may not be in it.
+
+**Atomic.** A snapshot is written to ``.<name>.partial-<pid>`` beside its destination,
+synced, and renamed into place: a directory with the destination's name is always
+complete. A restore builds the new storage the same way.
+
+Not in a snapshot: the prioritized sampler's tree (rebuilt on restore, every row at the
+default maximum priority) and the rate limiter's counters (a restored storage starts
+with the limiter's error at 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lz4.frame
+import numpy as np
+
+from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists
+from ingestd.replay import files
+from ingestd.replay.storage import MappedStore, ReplayStorage
+
+FORMAT = "ingestd-replay-snapshot"
+VERSION = 1
+BLOCK_BYTES = 16 << 20  # bytes of rows copied between two reads of their sequence numbers
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+_LZ4 = {"block_checksum": True, "content_checksum": True}
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    path: str
+    capacity: int
+    write_count: int
+    rows: int  # committed rows in the snapshot
+    skipped: int  # rows being written (or rewritten) during the copy, left out
+    bytes: int  # size of the snapshot on disk
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def check_name(name: str) -> str:
+    """A snapshot name: a plain file name (letters, digits, ``.``, ``_``, ``-``; 1 to 100
+    characters, not starting with ``.``). Raises ``ValueError`` otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"snapshot name {name!r} is not allowed: use 1 to 100 letters, digits, '.', '_' "
+                         "or '-', not starting with '.'")
+    return name
+
+
+def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInfo:
+    """Copy every committed row of the storage at ``replay_path`` into the new snapshot
+    directory ``dest`` (its parent must exist). Safe while workers write."""
+    started = time.monotonic()
+    dest = Path(dest)
+    if dest.exists():
+        raise SnapshotExists(f"{dest} already exists; choose another snapshot name or path")
+    store = MappedStore(replay_path, writable=False)
+    tmp = _partial(dest)
+    try:
+        tmp.mkdir()
+        shutil.copyfile(Path(replay_path) / "meta.json", tmp / "meta.json")
+        seq, block, skipped = _copy_rows(store, tmp / "data.lz4")
+        _write_lz4(tmp / "seq.lz4", [seq.tobytes()])
+        header = store._header
+        info = {"format": FORMAT, "version": VERSION, "capacity": store.capacity,
+                "write_count": int(header[files.H_WRITE_COUNT]),  # read last: above every copied row's index
+                "incarnations": int(header[files.H_INCARNATIONS]), "rows": int(np.count_nonzero(seq)),
+                "skipped": skipped, "block_rows": block, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())}
+        (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
+        _publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        store.close()
+    return SnapshotInfo(str(dest), info["capacity"], info["write_count"], info["rows"], skipped,
+                        _size(dest), round(time.monotonic() - started, 6))
+
+
+def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInfo:
+    """Create a new storage at ``dest`` (which must not exist) holding the snapshot's rows,
+    ``write_count`` and incarnations. Open it with ``ReplayStorage.open`` or point the
+    daemon's ``replay.path`` at it."""
+    started = time.monotonic()
+    snapshot, dest = Path(snapshot), Path(dest)
+    info, meta = read_info(snapshot)
+    if dest.exists():
+        raise SnapshotExists(f"{dest} already exists; restore into a new path (nothing was changed)")
+    capacity = meta["capacity"]
+    seq = np.frombuffer(_read_lz4(snapshot / "seq.lz4", [8 * capacity])[0], dtype=np.int64)
+    _check_seq(snapshot, seq, info["write_count"])
+    tmp = _partial(dest)
+    try:
+        with ReplayStorage.create(tmp, meta["schema"], capacity) as store:
+            if store._layout != meta["layout"]:
+                raise BadSnapshot(f"{snapshot}: its layout differs from the one this ingestd builds for its schema")
+            _fill_rows(store, snapshot / "data.lz4", info["block_rows"])
+            with store._locked():
+                store.seq[:] = seq  # last: until here every slot reads as never written
+                store._header[files.H_WRITE_COUNT] = info["write_count"]
+                store._header[files.H_INCARNATIONS] = info["incarnations"]
+        _publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SnapshotInfo(str(dest), capacity, info["write_count"], int(np.count_nonzero(seq)), info["skipped"],
+                        _size(snapshot), round(time.monotonic() - started, 6))
+
+
+def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
+    """``(snapshot.json, the storage's meta)`` of a snapshot directory, validated."""
+    snapshot = Path(snapshot)
+    if not snapshot.is_dir():
+        raise BadSnapshot(f"no snapshot at {str(snapshot)!r}: not a directory")
+    try:
+        info = json.loads((snapshot / "snapshot.json").read_text())
+        if info.get("format") != FORMAT:
+            raise ValueError(f"format is {info.get('format')!r}, expected {FORMAT!r}")
+        if info.get("version") != VERSION:
+            raise ValueError(f"version {info.get('version')} is not supported (this ingestd reads {VERSION})")
+        for key in ("capacity", "write_count", "incarnations", "rows", "skipped", "block_rows"):
+            if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {info.get(key)!r}")
+        if info["block_rows"] < 1:
+            raise ValueError("block_rows must be positive")
+        meta = files.read_meta(snapshot)
+        if meta["capacity"] != info["capacity"]:
+            raise ValueError(f"capacity {info['capacity']} differs from meta.json's {meta['capacity']}")
+    except (OSError, ValueError, CorruptStorage) as exc:
+        raise BadSnapshot(f"{snapshot} is not a usable snapshot: {exc}") from None
+    return info, meta
+
+
+# -- rows ----------------------------------------------------------------------------------------
+def _copy_rows(store: MappedStore, path: Path) -> tuple[np.ndarray, int, int]:
+    """Write the rows block by block; ``(seq with the left-out slots at 0, block_rows, skipped)``."""
+    capacity = store.capacity
+    block = max(1, BLOCK_BYTES // max(1, _row_bytes(store)))
+    out = np.zeros(capacity, dtype=np.int64)
+    skipped = 0
+    with lz4.frame.open(path, "wb", **_LZ4) as f:
+        for lo in range(0, capacity, block):
+            hi = min(capacity, lo + block)
+            before = store.seq[lo:hi].copy()
+            parts = _read_block(store, lo, hi)
+            after = store.seq[lo:hi]
+            ok = (before == after) & (before > 0) & ((before & 1) == 0)
+            out[lo:hi] = np.where(ok, before, 0)
+            skipped += int(np.count_nonzero(before)) - int(np.count_nonzero(ok))
+            for part in parts:
+                f.write(part)
+    return out, block, skipped
+
+
+def _read_block(store: MappedStore, lo: int, hi: int) -> list[bytes]:
+    """The raw bytes of slots ``[lo, hi)``: their records, then each column (a separate
+    step so that tests can write into the slots while they are being read)."""
+    return [store._records[lo:hi].tobytes()] + [store._arrays[k][lo:hi].tobytes() for k in store._layout.columns]
+
+
+def _fill_rows(store: ReplayStorage, path: Path, block: int) -> None:
+    layout, capacity = store._layout, store.capacity
+    sizes = [layout.record_bytes] + [store.schema[k].row_bytes for k in layout.columns]
+    try:
+        with lz4.frame.open(path, "rb") as f:
+            for lo in range(0, capacity, block):
+                hi = min(capacity, lo + block)
+                targets = [store._records[lo:hi]] + [store._arrays[k][lo:hi] for k in layout.columns]
+                for target, size in zip(targets, sizes):
+                    data = f.read(size * (hi - lo))
+                    if len(data) != size * (hi - lo):
+                        raise BadSnapshot(f"{path} is truncated (slots {lo}..{hi - 1} incomplete)")
+                    np.copyto(target.reshape(-1).view(np.uint8), np.frombuffer(data, dtype=np.uint8))
+            if f.read(1):  # also makes lz4 check the frame's content checksum
+                raise BadSnapshot(f"{path} holds more data than its storage's capacity")
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise BadSnapshot(f"{path} is damaged: {exc}") from None
+
+
+def _check_seq(snapshot: Path, seq: np.ndarray, write_count: int) -> None:
+    """Every kept slot must hold a committed row written before ``write_count``."""
+    kept = seq[seq != 0]
+    if kept.size and ((kept & 1).any() or kept.min() < 2 or (kept.max() - 2) // 2 >= write_count):
+        raise BadSnapshot(f"{snapshot}/seq.lz4 holds sequence numbers that no committed row can have")
+
+
+def _row_bytes(store: MappedStore) -> int:
+    return store._layout.record_bytes + sum(store.schema[k].row_bytes for k in store._layout.columns)
+
+
+# -- files ---------------------------------------------------------------------------------------
+def _write_lz4(path: Path, parts: list[bytes]) -> None:
+    with lz4.frame.open(path, "wb", **_LZ4) as f:
+        for part in parts:
+            f.write(part)
+
+
+def _read_lz4(path: Path, sizes: list[int]) -> list[bytes]:
+    try:
+        with lz4.frame.open(path, "rb") as f:
+            out = [f.read(size) for size in sizes]
+            extra = f.read(1)
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise BadSnapshot(f"{path} is damaged: {exc}") from None
+    if extra or [len(part) for part in out] != sizes:
+        raise BadSnapshot(f"{path} has the wrong size for its storage's capacity")
+    return out
+
+
+def _partial(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Sync ``tmp``'s files and rename it to ``dest`` (refused if ``dest`` appeared meanwhile)."""
+    for entry in tmp.iterdir():
+        if entry.is_file():
+            _fsync(entry, os.O_RDONLY)
+    _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    if dest.exists():
+        raise SnapshotExists(f"{dest} appeared while it was being written; nothing was replaced")
+    os.rename(tmp, dest)
+    _fsync(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())

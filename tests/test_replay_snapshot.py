@@ -1,0 +1,193 @@
+"""Snapshots of a replay storage: exact round trips, snapshots taken while real writer
+processes write (every row in them intact), slots mid-write left out, and refusals of
+existing destinations and damaged snapshots."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import replay_payload as rp
+from test_replay_concurrency import check_all_rows, children, create, ctx, wait_until  # noqa: F401 (fixture)
+
+from ingestd.errors import BadSnapshot, SnapshotExists, StorageNotFound
+from ingestd.replay import ReplayReader, ReplayStorage, snapshot
+from ingestd.service import cli
+
+
+def filled(path, kind: str, capacity: int, rows: int) -> str:
+    with rp.PayloadStorage.create(path, rp.spec(kind), capacity) as store:
+        for _ in range(rows // 50):
+            store.write(rp.template(store.schema, 50))
+        store.next_incarnation()
+        store.next_incarnation()
+    return str(path)
+
+
+def leftovers(directory) -> list[str]:
+    return [p.name for p in directory.iterdir() if ".partial-" in p.name]
+
+
+@pytest.mark.parametrize("kind, capacity", [("cartpole", 2048), ("pixels", 200)])  # pixels: image columns
+def test_round_trip_is_exact(shm_dir, kind, capacity):
+    written = (capacity + capacity // 2) // 50 * 50  # wrapped once
+    src = filled(shm_dir / "src", kind, capacity, rows=written)
+    saved = snapshot.save(src, shm_dir / "snap")
+    assert (saved.rows, saved.skipped, saved.capacity, saved.write_count) == (capacity, 0, capacity, written)
+    assert saved.bytes > 0 and sorted(p.name for p in (shm_dir / "snap").iterdir()) == \
+        ["data.lz4", "meta.json", "seq.lz4", "snapshot.json"]
+    restored = snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    assert (restored.rows, restored.write_count) == (capacity, saved.write_count)
+    with ReplayReader(src) as a, ReplayReader(shm_dir / "dst") as b:
+        assert np.array_equal(np.array(a.seq), np.array(b.seq)) and b.write_count == a.write_count
+        every = np.arange(capacity)
+        assert (a.gather(every) == b.gather(every)).all()
+    assert check_all_rows(shm_dir / "dst") == (capacity, 0)
+    with ReplayStorage.open(shm_dir / "dst") as store:  # a working storage: writes go on from write_count
+        assert store.next_incarnation() == 3
+        assert store.write(rp.template(store.schema, 10)) == saved.write_count
+    with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:  # its tree is rebuilt
+        assert reader.sample(32).batch_size == (32,)
+    assert leftovers(shm_dir) == []
+
+
+def test_an_empty_storage_round_trips(shm_dir):
+    src = filled(shm_dir / "src", "cartpole", 64, rows=0)
+    assert snapshot.save(src, shm_dir / "snap").rows == 0
+    assert snapshot.restore(shm_dir / "snap", shm_dir / "dst").rows == 0
+    with ReplayReader(shm_dir / "dst") as reader:
+        assert len(reader) == 0 and reader.write_count == 0
+
+
+def test_snapshots_taken_while_writers_write_hold_only_intact_rows(ctx, shm_dir):  # noqa: F811
+    path = create(shm_dir / "r", capacity=4096)
+    infos = []
+    with children(ctx) as kids:
+        for i in range(3):
+            kids.start(rp.writer_main, path, i, 48)
+        with ReplayReader(path) as reader:
+            wait_until(lambda: reader.write_count > 2 * reader.capacity, 60, "writers to wrap the ring twice")
+        for i in range(3):
+            infos.append(snapshot.save(path, shm_dir / f"snap{i}"))
+        kids.halt()
+        kids.reports(3)
+    for i, info in enumerate(infos):
+        assert info.rows > 0 and info.rows + info.skipped <= 4096, info
+        snapshot.restore(shm_dir / f"snap{i}", shm_dir / f"dst{i}")
+        committed, odd = check_all_rows(shm_dir / f"dst{i}")  # every row verified against its write index
+        assert (committed, odd) == (info.rows, 0)
+    assert leftovers(shm_dir) == []
+
+
+def test_a_slot_being_written_is_left_out(ctx, shm_dir):  # noqa: F811
+    path = create(shm_dir / "r", capacity=512)
+    with rp.PayloadStorage.open(path) as store:
+        store.write(rp.template(store.schema, 100))
+    with children(ctx) as kids:
+        stalled, release, where = ctx.Event(), ctx.Event(), ctx.Array("q", 2, lock=False)
+        kids.start(rp.stalling_writer_main, path, 40, stalled, release, where, with_stop=False)
+        assert stalled.wait(60), "the stalling writer never stalled"
+        info = snapshot.save(path, shm_dir / "snap")
+        release.set()
+        kids.reports(1)
+    assert (info.rows, info.skipped) == (100, 40)
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    assert check_all_rows(shm_dir / "dst") == (100, 0)
+    with ReplayReader(shm_dir / "dst") as reader:
+        start, n = int(where[0]), int(where[1])
+        assert (np.array(reader.seq)[start:start + n] == 0).all()
+
+
+def test_a_row_rewritten_while_its_block_is_read_is_left_out(shm_dir, monkeypatch):
+    """The seqlock rule: a slot whose sequence number changed during the copy is not kept,
+    even though its bytes may look whole (they may mix the old and the new row)."""
+    src = filled(shm_dir / "src", "cartpole", 500, rows=500)
+    read_block = snapshot._read_block
+
+    def rewrite_while_reading(store, lo, hi):
+        parts = read_block(store, lo, hi)
+        with rp.PayloadStorage.open(src) as writer:  # laps slots 0..9 (committed before the copy)
+            writer.write(rp.template(writer.schema, 10))
+        return parts
+
+    monkeypatch.setattr(snapshot, "_read_block", rewrite_while_reading)
+    info = snapshot.save(src, shm_dir / "snap")
+    assert (info.rows, info.skipped) == (490, 10)
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    assert check_all_rows(shm_dir / "dst") == (490, 0)
+    with ReplayReader(shm_dir / "dst") as reader:
+        assert (np.array(reader.seq)[:10] == 0).all() and reader.write_count == 510
+
+
+def test_existing_destinations_are_never_replaced(shm_dir):
+    src = filled(shm_dir / "src", "cartpole", 128, rows=100)
+    (shm_dir / "taken").mkdir()
+    (shm_dir / "taken" / "keep").write_text("mine")
+    with pytest.raises(SnapshotExists, match="already exists"):
+        snapshot.save(src, shm_dir / "taken")
+    snapshot.save(src, shm_dir / "snap")
+    with pytest.raises(SnapshotExists, match="already exists"):
+        snapshot.restore(shm_dir / "snap", shm_dir / "taken")
+    with pytest.raises(SnapshotExists):
+        snapshot.restore(shm_dir / "snap", src)
+    assert (shm_dir / "taken" / "keep").read_text() == "mine"
+    with pytest.raises(StorageNotFound):
+        snapshot.save(shm_dir / "nothing", shm_dir / "snap2")
+    assert not (shm_dir / "snap2").exists() and leftovers(shm_dir) == []
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated data", "truncated seq", "odd seq", "format",
+                                    "missing meta"])
+def test_a_damaged_snapshot_is_refused_and_nothing_is_created(shm_dir, damage):
+    src = filled(shm_dir / "src", "cartpole", 1024, rows=1000)
+    snap = shm_dir / "snap"
+    snapshot.save(src, snap)
+    data, seq, info = snap / "data.lz4", snap / "seq.lz4", snap / "snapshot.json"
+    if damage == "flipped byte":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "truncated data":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif damage == "truncated seq":
+        seq.write_bytes(seq.read_bytes()[:-9])
+    elif damage == "odd seq":
+        import lz4.frame
+
+        values = np.frombuffer(lz4.frame.decompress(seq.read_bytes()), dtype=np.int64).copy()
+        values[5] += 1
+        seq.write_bytes(lz4.frame.compress(values.tobytes()))
+    elif damage == "format":
+        info.write_text(json.dumps({**json.loads(info.read_text()), "version": 99}))
+    else:
+        (snap / "meta.json").unlink()
+    with pytest.raises(BadSnapshot):
+        snapshot.restore(snap, shm_dir / "dst")
+    assert not (shm_dir / "dst").exists() and leftovers(shm_dir) == []
+
+
+def test_names(shm_dir):
+    for good in ("nightly", "2026-11-30T10.00Z", "a", "x" * 100):
+        assert snapshot.check_name(good) == good
+    for bad in ("", ".hidden", "a/b", "../up", "x" * 101, "sp ace", None):
+        with pytest.raises(ValueError, match="not allowed"):
+            snapshot.check_name(bad)
+
+
+def test_on_disk(disk_dir, shm_dir):
+    src = filled(shm_dir / "src", "cartpole", 256, rows=200)
+    info = snapshot.save(src, disk_dir / "snap")
+    snapshot.restore(disk_dir / "snap", disk_dir / "dst")
+    assert check_all_rows(disk_dir / "dst") == (info.rows, 0)
+
+
+def test_cli(shm_dir, capsys):
+    src = filled(shm_dir / "src", "cartpole", 256, rows=200)
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
+    assert "200 rows" in capsys.readouterr().out
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["replay", "restore", str(shm_dir / "snap"), str(shm_dir / "dst")]) == 0
+    assert "storage restored at" in capsys.readouterr().out
+    assert cli.main(["replay", "restore", str(shm_dir / "nope"), str(shm_dir / "dst2")]) == 1
+    assert "no snapshot" in capsys.readouterr().err
