@@ -112,6 +112,18 @@ def rows_between(replay_path, first: int, last: int):
     return rows[first_seen]
 
 
+@pytest.fixture
+def snapshots(daemon):
+    """The shared daemon's snapshots directory; the snapshots a test writes are removed after it."""
+    import shutil
+
+    folder = daemon.data_dir / "snapshots"
+    before = set(folder.iterdir()) if folder.exists() else set()
+    yield folder
+    for path in set(folder.iterdir()) - before if folder.exists() else ():
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def daemon(pytestconfig):
     """The shared control-test daemon (started once per session, see ``shared``)."""

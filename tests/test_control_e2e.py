@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import threading
 import time
+from pathlib import Path
 
 import lz4.frame
 import pytest
@@ -13,11 +15,13 @@ import torch
 import zmq
 
 import control_plugins
-from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
+from control_daemon import client, daemon, snapshots  # noqa: F401  (pytest fixtures)
 from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, wait_for
 from ingestd import BadReply, CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
+from ingestd.control.commands import Snapshot
+from ingestd.control.handlers import _free_name
 from ingestd.control.protocol import decode_reply, encode_header
 from ingestd.weights.wire import encode
 
@@ -338,6 +342,92 @@ def test_events_are_published(daemon, client):
     assert seen["weights.published"]["version"] == version
     assert seen["paused"]["workers"] == [0, 1]
     assert seen["worker.restarted"]["worker"] == 1
+
+
+# -- snapshot ----------------------------------------------------------------------------------------
+TIME_NAME = re.compile(r"\d{8}T\d{6}Z(-\d+)?")
+
+
+def _files(path: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()}
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} if folder.exists() else set()
+
+
+def test_snapshot_while_workers_collect(daemon, client, snapshots):
+    with EventStream.of(client, ("replay.",)) as events:
+        time.sleep(0.3)  # slow joiner: let the subscription reach the publisher
+        before = write_count(client)
+        shot = client.snapshot()
+        event = events.next(5)
+    path = Path(shot.path)
+    assert path.parent == snapshots and TIME_NAME.fullmatch(path.name) and path.is_dir()
+    assert stat.S_IMODE(os.stat(snapshots).st_mode) & 0o027 == 0, "snapshots dir must be 0750 or stricter"
+    assert shot.capacity == 400_000 and shot.write_count >= before
+    assert 0 < shot.rows <= min(shot.write_count, shot.capacity) and shot.skipped >= 0
+    assert shot.bytes == sum(size for size, _ in _files(path).values()) > 0 and shot.seconds > 0
+    assert event is not None and event.topic == "replay.snapshot", event
+    assert {k: event.data[k] for k in shot.to_json()} == shot.to_json()
+    assert [w.state for w in client.status().workers] == ["running", "running"]
+    wait_for(lambda: write_count(client) > shot.write_count + 1000, 5, "collection to go on")
+
+
+def test_snapshot_default_names_take_a_suffix_when_taken(tmp_path):
+    now = 1767225600.0  # 2026-01-01T00:00:00Z
+    assert _free_name(tmp_path, now) == "20260101T000000Z"
+    (tmp_path / "20260101T000000Z").mkdir()
+    (tmp_path / "20260101T000000Z-2").mkdir()
+    assert _free_name(tmp_path, now) == "20260101T000000Z-3"
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "with space", "\u00e9t\u00e9", "", "n" * 101, 7,
+                                  ["a"]])
+def test_snapshot_bad_name_is_refused(daemon, client, snapshots, name):
+    before = _entries(snapshots)
+    with pytest.raises(CommandFailed) as err:
+        client.call(Snapshot(name=name))
+    assert err.value.code == "bad_request" and "name" in err.value.message
+    assert _entries(snapshots) == before and not (daemon.data_dir / "escape").exists()
+
+
+def test_snapshot_name_taken_leaves_the_first_intact(client, snapshots):
+    first = client.snapshot("keep-me.1")
+    assert first.path == str(snapshots / "keep-me.1")
+    files = _files(Path(first.path))
+    with pytest.raises(CommandFailed) as err:
+        client.snapshot("keep-me.1")
+    assert err.value.code == "snapshot_exists" and "keep-me.1" in err.value.message
+    assert _files(Path(first.path)) == files
+    assert "keep-me.1" in _entries(snapshots) and not any(n.startswith(".") for n in _entries(snapshots))
+
+
+def test_one_snapshot_at_a_time(daemon, client, snapshots):
+    """Two snapshots sent back to back: the second finds the first being written (each takes
+    100+ ms here) and gets ``busy``. Tried a few times, in case the first one was quicker."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.control_address)
+    outcomes = []
+    try:
+        for attempt in range(5):
+            for i in (1, 2):
+                sock.send(encode_header(f"snap-{attempt}-{i}", "snapshot", {}))
+            replies = []
+            for _ in (1, 2):
+                assert sock.poll(30_000), "no reply to a snapshot"
+                replies.append(decode_reply(sock.recv_multipart()))
+            outcomes.append(sorted("ok" if r.ok else r.code for r in replies))
+            busy = [r for r in replies if r.code == "busy"]
+            if busy:
+                assert "another snapshot" in busy[0].message
+                break
+    finally:
+        sock.close(0)
+    assert all(o in (["busy", "ok"], ["ok", "ok"]) for o in outcomes), outcomes
+    assert outcomes[-1] == ["busy", "ok"], f"the second snapshot never found the first one running: {outcomes}"
+    assert client.ping()["pong"] and len(_entries(snapshots)) >= 1
 
 
 def test_unavailable_daemon_raises_quickly_typed():

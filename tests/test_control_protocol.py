@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from ingestd import BadReply, CommandFailed
 from ingestd.control import curve
-from ingestd.control.commands import COMMANDS, GetStatus, Pause, PushWeights, Restart, Scale, Status
+from ingestd.control.commands import COMMANDS, GetStatus, Pause, PushWeights, Restart, Scale, Snapshot, Status
 from ingestd.control.protocol import (
     ErrorCode, Limits, RequestError, decode_reply, encode_error, encode_header, encode_result, parse_header, peek_id,
 )
@@ -74,6 +74,15 @@ def test_any_bytes_parse_or_fail_cleanly(frame):
     (PushWeights, {"wait": False}, [b"a", b"b"], PushWeights(wait=False)),
     (PushWeights, {}, [b"a"], None),
     (PushWeights, {}, [b"a", b"b", b"c"], None),
+    (Snapshot, {}, [], Snapshot()),
+    (Snapshot, {"name": None}, [], Snapshot()),
+    (Snapshot, {"name": "nightly-1.a"}, [], Snapshot(name="nightly-1.a")),
+    (Snapshot, {"name": "n" * 100}, [], Snapshot(name="n" * 100)),
+    (Snapshot, {"name": "n" * 101}, [], None),
+    (Snapshot, {"name": ""}, [], None),
+    (Snapshot, {"name": 7}, [], None),
+    (Snapshot, {"name": ["a"]}, [], None),
+    (Snapshot, {"path": "/tmp/x"}, [], None),
 ])
 def test_command_arguments_are_checked(cls, args, payload, ok):
     if ok is None:
@@ -84,13 +93,25 @@ def test_command_arguments_are_checked(cls, args, payload, ok):
         assert cls.decode(args, payload) == ok
 
 
+def test_snapshot_name_limit_is_the_replay_one():
+    """The request checks only type and length (clients need no replay code); the daemon then
+    applies ``check_name``, whose length limit must be the same."""
+    from ingestd.control.commands import MAX_SNAPSHOT_NAME
+    from ingestd.replay.snapshot import check_name
+
+    assert check_name("n" * MAX_SNAPSHOT_NAME)
+    with pytest.raises(ValueError):
+        check_name("n" * (MAX_SNAPSHOT_NAME + 1))
+
+
 def test_requests_encode_to_what_they_decode_from():
     for request in (Scale(count=3, wait=False), Restart(workers=(1, 2)), Pause(timeout_s=1.5),
-                    PushWeights(wait=True, frames=(b"m", b"p"))):
+                    PushWeights(wait=True, frames=(b"m", b"p")), Snapshot(name="a"), Snapshot()):
         args, payload = request.encode()
         assert json.loads(json.dumps(args)) == args
         assert type(request).decode(args, payload) == request
-    assert {"ping", "status", "config", "pause", "resume", "restart", "scale", "push_weights", "reload"} <= set(COMMANDS)
+    assert {"ping", "status", "config", "pause", "resume", "restart", "scale", "push_weights", "reload",
+            "snapshot"} <= set(COMMANDS)
     assert all(name == cls.cmd for name, cls in COMMANDS.items())
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import control_plugins
-from control_daemon import client, daemon  # noqa: F401  (pytest fixtures)
+from control_daemon import client, daemon, snapshots  # noqa: F401  (pytest fixtures)
 from ingestd.control import cli
 
 
@@ -94,6 +94,28 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
         assert json.loads(out) == {"ok": False, "error": {"code": code, "message": json.loads(out)["error"]["message"]}}
         assert code in err
     client.resume()  # the timed-out pause stays requested, as documented
+
+
+SNAPSHOT_FIELDS = {"path", "capacity", "write_count", "rows", "skipped", "bytes", "seconds"}
+
+
+def test_snapshot(daemon, client, capsys, snapshots):
+    code, out, err = run(daemon, capsys, "snapshot", "from-cli", as_json=True)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert out == json.dumps(doc, sort_keys=True) + "\n", "not the stable JSON form"
+    assert doc["ok"] is True and set(doc["result"]) == SNAPSHOT_FIELDS, doc
+    assert doc["result"]["path"] == str(snapshots / "from-cli") and doc["result"]["rows"] > 0
+    code, out, err = run(daemon, capsys, "snapshot")
+    assert code == 0, err
+    assert out.startswith(f"snapshot {snapshots}/") and " rows of 400000 " in out and out.count("\n") == 1, out
+    for argv, expected, error in ((["snapshot", "from-cli"], cli.EX_FAILED, "snapshot_exists"),
+                                  (["snapshot", "../from-cli"], cli.EX_FAILED, "bad_request"),
+                                  (["snapshot", "--wait", "0"], cli.EX_USAGE, "usage")):
+        status, out, err = run(daemon, capsys, *argv, as_json=True)
+        assert status == expected, (argv, out, err)
+        assert json.loads(out)["error"]["code"] == error and error in err
+    assert sorted(p.name for p in snapshots.iterdir() if p.name.startswith("from")) == ["from-cli"]
 
 
 def test_real_entry_point(daemon, tmp_path):

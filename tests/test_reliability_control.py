@@ -154,9 +154,10 @@ _BAD_ARGS = {
     "workers": ["all", [], [-1], [256], [1.5], [True], {}, 3, [0] * 257, ["0"]],
     "wait": ["yes", 1, 0, None, [], {}],
     "count": [-1, 257, "2", 2.5, True, None, [], {}],
+    "name": ["", "n" * 101, 7, 1.5, True, [], {}],  # refused before the daemon looks at the characters
 }
 _TAKES = {"pause": ["timeout_s"], "resume": ["timeout_s"], "restart": ["workers", "wait", "timeout_s"],
-          "scale": ["count", "wait", "timeout_s"], "push_weights": ["wait", "timeout_s"]}
+          "scale": ["count", "wait", "timeout_s"], "push_weights": ["wait", "timeout_s"], "snapshot": ["name"]}
 
 
 def fuzz_bad_arguments(rng):

@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     cmd = sub.add_parser("profile", help="record a torch profiler trace of worker W; prints the trace path")
     cmd.add_argument("worker", type=int, metavar="W")
     cmd.add_argument("--seconds", type=float, default=5.0, metavar="S", help="how long to record (5)")
+    cmd = sub.add_parser("snapshot", help="copy the replay's committed rows into <data_dir>/snapshots/NAME "
+                                          "(default NAME: the UTC time) while the workers keep collecting")
+    cmd.add_argument("name", nargs="?", metavar="NAME", help="letters, digits, '.', '_', '-' (not starting with '.')")
+    cmd.add_argument("--wait", type=float, metavar="S", help="how long to wait for it (default 300)")
     cmd = sub.add_parser("events", help="follow the event stream")
     cmd.add_argument("--events", metavar="ADDR", help="event address (default: asked from the daemon)")
     cmd.add_argument("--topic", action="append", default=[], help="topic prefix to follow (repeatable)")
@@ -286,6 +290,14 @@ def _limiter(client, args, out: Output) -> int:
     return out.ok(s.to_json(), text)
 
 
+def _snapshot(client, args, out: Output) -> int:
+    if args.wait is not None and not args.wait > 0:
+        raise UsageError("ingestctl: --wait must be > 0")
+    s = client.snapshot(args.name, timeout=args.wait)
+    return out.ok(s.to_json(), f"snapshot {s.path}: {s.rows} rows of {s.capacity} ({s.skipped} left out while being "
+                               f"written; write_count {s.write_count}), {s.bytes / 1e6:.1f} MB in {s.seconds:.1f} s")
+
+
 def _reload(client, args, out: Output) -> int:
     r = client.reload()
     extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
@@ -337,7 +349,7 @@ def _keygen(args, out: Output) -> int:
 COMMANDS: dict[str, Callable[..., int]] = {
     "ping": _ping, "status": _status, "config": _config, "pause": _pause_resume, "resume": _pause_resume,
     "restart": _restart, "scale": _scale, "push-weights": _push, "reload": _reload, "events": _events,
-    "profile": _profile, "limiter": _limiter,
+    "profile": _profile, "limiter": _limiter, "snapshot": _snapshot,
 }
 
 

@@ -10,7 +10,8 @@ request is dropped. Nothing is ever pickled: weights travel in
 
 ``timeout`` bounds the whole call: a command that waits for workers (pause,
 resume, restart, scale, push_weights) may take ``timeout`` plus the wait it
-asks the daemon for (``timeout_s``, default ``ack_timeout``).
+asks the daemon for (``timeout_s``, default ``ack_timeout``); a snapshot may
+take ``timeout`` plus its own wait (default ``SNAPSHOT_WAIT_S``).
 
 A client is not meant to be shared between threads; calls are serialised by
 a lock if it is.
@@ -29,8 +30,8 @@ import zmq
 
 from ingestd.control import curve
 from ingestd.control.commands import (
-    Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded, Request,
-    Restart, Resume, Scale, Status,
+    SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
+    Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
 from ingestd.control.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_header
 from ingestd.errors import BadReply, DaemonUnavailable
@@ -136,6 +137,18 @@ class ControlClient:
     def reload(self) -> Reloaded:
         """Re-read the daemon's config file and apply what can change live."""
         return Reloaded.from_json(self.call(Reload(), extra_wait=self.ack_timeout))
+
+    def snapshot(self, name: str | None = None, timeout: float | None = None) -> Snapshotted:
+        """Copy the replay's committed rows, while the workers keep collecting, into
+        ``<data_dir>/snapshots/<name>`` on the daemon's host (default name: the UTC time).
+        Waits up to ``timeout`` seconds for it (default ``SNAPSHOT_WAIT_S``) on top of the client's
+        own; never re-sent (the daemon finishes a snapshot whose reply came too late).
+        ``CommandFailed``: ``bad_request`` (name), ``snapshot_exists``, ``busy`` (another snapshot
+        is being written), ``snapshot_failed`` (disk full, no storage...)."""
+        wait = SNAPSHOT_WAIT_S if timeout is None else float(timeout)
+        if not wait > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        return Snapshotted.from_json(self.call(Snapshot(name=name), extra_wait=wait))
 
     # -- transport -----------------------------------------------------------------------
     def _wait(self, timeout_s: float | None) -> float:

@@ -252,9 +252,31 @@ class SetLimiter(Request):
     max_diff: float | None = arg(None, _optional(_number))
 
 
+MAX_SNAPSHOT_NAME = 100  # ingestd.replay.snapshot.check_name (kept import-free, as MAX_WORKERS)
+SNAPSHOT_WAIT_S = 300.0  # how long clients wait for a snapshot's reply by default (the daemon sets no deadline)
+
+
+def _snapshot_name(name: str, value: Any) -> str | None:
+    """Type and length only: the daemon checks the characters (``check_name``) before it writes."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_SNAPSHOT_NAME:
+        raise _fail(name, f"null (a name from the time) or a file name of 1..{MAX_SNAPSHOT_NAME} characters", value)
+    return value
+
+
+@dataclass(frozen=True)
+class Snapshot(Request):
+    """Copy the replay's committed rows into ``<data_dir>/snapshots/<name>`` (lz4) while workers collect."""
+
+    cmd: ClassVar[str] = "snapshot"
+    idempotent: ClassVar[bool] = False  # a resend would write a second snapshot, or find the first one
+    name: str | None = arg(None, _snapshot_name)
+
+
 COMMANDS: dict[str, type[Request]] = {
     cls.cmd: cls for cls in (Ping, GetStatus, GetConfig, Pause, Resume, Restart, Scale, PushWeights, Reload,
-                             Profile, SetLimiter)
+                             Profile, SetLimiter, Snapshot)
 }
 
 
@@ -361,6 +383,19 @@ class Pushed(Result):
 class Profiled(Result):
     worker: int
     path: str  # the Chrome trace (chrome://tracing, Perfetto) the worker wrote
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Snapshotted(Result):
+    """A snapshot written (``ingestd.replay.snapshot.SnapshotInfo``)."""
+
+    path: str  # the snapshot directory, on the daemon's host
+    capacity: int
+    write_count: int  # the storage's write count, read after the copy
+    rows: int  # committed rows copied
+    skipped: int  # rows left out because a worker was writing them
+    bytes: int  # size of the snapshot on disk
     seconds: float
 
 

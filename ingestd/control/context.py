@@ -149,6 +149,7 @@ class Context:
     change_lock: threading.Lock = field(default_factory=threading.Lock)  # pause/resume/restart/scale/reload
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # one publisher of the weight store
     profile_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile request at a time
+    snapshot_lock: threading.Lock = field(default_factory=threading.Lock)  # one snapshot at a time
     status_cache: ReplyCache = field(default_factory=lambda: ReplyCache(0.0))  # the control thread's (0: off)
     _config_cache: tuple[int, dict, Preencoded] | None = None
     _record_reader: RecordReader | None = None

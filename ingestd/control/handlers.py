@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ingestd import __version__
@@ -21,10 +22,11 @@ from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
-from ingestd.control.commands import LimiterState, SetLimiter
+from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
-from ingestd.errors import BadWeights, ConfigError
+from ingestd.errors import BadWeights, ConfigError, CorruptStorage, SnapshotExists
+from ingestd.replay.snapshot import check_name, save
 
 log = logging.getLogger("ingestd.control")
 
@@ -268,8 +270,6 @@ def reload(ctx: Context, request: Reload) -> dict:
 
 def profile(ctx: Context, request: Profile) -> dict:
     """Order a trace from one worker (ingestd.collect.profiling) and wait for its file."""
-    from pathlib import Path
-
     from ingestd.collect import profiling
 
     daemon = ctx.daemon
@@ -326,6 +326,53 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
                         sampled_policy_lag=list(lag[:3]) if lag else None).to_json()
 
 
+SNAPSHOTS_DIR_MODE = 0o750
+
+
+def snapshot(ctx: Context, request: Snapshot) -> dict:
+    """Copy the replay's committed rows into ``<data_dir>/snapshots/<name>`` while the workers keep
+    writing (ingestd.replay.snapshot: atomic, so a snapshot directory is always complete). One at a
+    time; there is no deadline: the copy cannot be stopped half-way, and the client waits for it."""
+    if request.name is not None:
+        try:
+            check_name(request.name)
+        except ValueError as exc:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
+    if not ctx.snapshot_lock.acquire(blocking=False):
+        raise RequestError(ErrorCode.BUSY, "another snapshot is being written; try again once it has finished")
+    try:
+        paths = ctx.daemon.paths
+        folder = Path(paths.data_dir) / "snapshots"
+        try:
+            folder.mkdir(mode=SNAPSHOTS_DIR_MODE, parents=True, exist_ok=True)
+            dest = folder / (request.name or _free_name(folder, time.time()))
+            info = save(paths.replay, dest)
+        except SnapshotExists:  # only save raises it: dest is set
+            raise RequestError(ErrorCode.SNAPSHOT_EXISTS, f"a snapshot named {dest.name!r} exists ({dest}); it was "
+                                                          "left as it was: choose another name") from None
+        except (OSError, CorruptStorage) as exc:  # disk full, no storage, no access...
+            log.error("snapshot in %s failed: %s", folder, exc)
+            raise RequestError(ErrorCode.SNAPSHOT_FAILED, f"no snapshot was written in {folder}: {exc}") from None
+    finally:
+        ctx.snapshot_lock.release()
+    result = Snapshotted(info.path, info.capacity, info.write_count, info.rows, info.skipped, info.bytes,
+                         round(info.seconds, 6)).to_json()
+    log.info("snapshot %s: %d rows (%d left out while being written), %.1f MB in %.2f s",
+             info.path, info.rows, info.skipped, info.bytes / 1e6, info.seconds)
+    ctx.publish("replay.snapshot", **result)
+    return result
+
+
+def _free_name(folder: Path, now: float) -> str:
+    """The UTC time ``now`` as ``%Y%m%dT%H%M%SZ``, with ``-2``, ``-3``... if that name is taken."""
+    base = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    name, n = base, 1
+    while (folder / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
 @dataclass(frozen=True)
 class Handler:
     run: Callable[[Context, Any], Any]
@@ -345,4 +392,5 @@ HANDLERS: dict[type[Request], Handler] = {
     Reload: Handler(reload, fast=False),
     Profile: Handler(profile, fast=False),
     SetLimiter: Handler(limiter, fast=True),
+    Snapshot: Handler(snapshot, fast=False, read_only=True),
 }

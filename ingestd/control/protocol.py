@@ -45,6 +45,8 @@ class ErrorCode(str, enum.Enum):
     BUSY = "busy"  # too many slow commands in flight; retry later
     RELOAD_FAILED = "reload_failed"  # the config file is wrong; the running config is kept
     PROFILE_FAILED = "profile_failed"  # profiling is off, or the worker could not record or write the trace
+    SNAPSHOT_EXISTS = "snapshot_exists"  # a snapshot of that name exists (it is left as it was)
+    SNAPSHOT_FAILED = "snapshot_failed"  # the snapshot could not be written (disk full, no storage...)
     UNAVAILABLE = "unavailable"  # the daemon is shutting down
     INTERNAL = "internal"  # a bug: the daemon logged a traceback
 

@@ -306,7 +306,7 @@ class ControlServer:
             log.exception("control: %s failed", cmd)
             reply = encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             outcome = ErrorCode.INTERNAL.value
-        self._outbox.put(("reply", route, cmd, reply, outcome, is_push))
+        self._outbox.put(("reply", route, cmd, reply, outcome, is_push, handler.read_only))
         self._wake()
 
     def _reply(self, route: list, cmd: str, reply: bytes, outcome: str) -> None:
@@ -323,10 +323,11 @@ class ControlServer:
         while not self._outbox.empty():  # the control thread is its only reader
             item = self._outbox.get_nowait()
             if item[0] == "reply":
-                _, route, cmd, reply, outcome, is_push = item
+                _, route, cmd, reply, outcome, is_push, read_only = item
                 self._slow_in_flight -= 1
                 self._pushes_in_flight -= is_push
-                self.ctx.status_cache.invalidate()  # the change is acknowledged: a status after it shows it
+                if not read_only:
+                    self.ctx.status_cache.invalidate()  # the change is acknowledged: a status after it shows it
                 self._reply(route, cmd, reply, outcome)
             else:
                 self._send_event(item[1], item[2])
