@@ -136,10 +136,45 @@ def test_existing_destinations_are_never_replaced(shm_dir):
     assert not (shm_dir / "snap2").exists() and leftovers(shm_dir) == []
 
 
+def test_a_restored_storage_samples_prioritized_at_once(shm_dir):
+    """The tree is rebuilt from the restored rows (every one at the maximum priority), not kept
+    from the empty storage the restore started from."""
+    src = filled(shm_dir / "src", "cartpole", 256, rows=200)
+    snapshot.save(src, shm_dir / "snap")
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:
+        batch = reader.sample(64, timeout=5)
+        assert (batch["ingestd", "write_index"] < 200).all()
+
+
+def _rewrite_json(path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _rewrite_seq(path, change) -> None:
+    import lz4.frame
+
+    values = np.frombuffer(lz4.frame.decompress(path.read_bytes()), dtype=np.int64).copy()
+    change(values)
+    path.write_bytes(lz4.frame.compress(values.tobytes(), block_checksum=True, content_checksum=True))
+
+
+def _swap(values) -> None:
+    values[[5, 6]] = values[[6, 5]]  # committed numbers, in range, each at the other's slot
+
+
+def _retype(meta) -> None:  # same layout, other dtype: read_meta alone cannot tell
+    schema = json.loads(meta.read_text())
+    schema["schema"]["observation"]["dtype"] = "int32"
+    meta.write_text(json.dumps(schema))
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated data", "truncated seq", "odd seq", "format",
-                                    "missing meta"])
+                                    "missing meta", "seq at another slot", "block_rows", "write_count",
+                                    "incarnations", "rows", "meta dtype", "not an object"])
 def test_a_damaged_snapshot_is_refused_and_nothing_is_created(shm_dir, damage):
-    src = filled(shm_dir / "src", "cartpole", 1024, rows=1000)
+    kind = "pixels" if damage == "block_rows" else "cartpole"  # with columns, block_rows decides where bytes go
+    src = filled(shm_dir / "src", kind, 200 if kind == "pixels" else 1024, rows=200 if kind == "pixels" else 1000)
     snap = shm_dir / "snap"
     snapshot.save(src, snap)
     data, seq, info = snap / "data.lz4", snap / "seq.lz4", snap / "snapshot.json"
@@ -159,8 +194,18 @@ def test_a_damaged_snapshot_is_refused_and_nothing_is_created(shm_dir, damage):
         seq.write_bytes(lz4.frame.compress(values.tobytes()))
     elif damage == "format":
         info.write_text(json.dumps({**json.loads(info.read_text()), "version": 99}))
-    else:
+    elif damage == "missing meta":
         (snap / "meta.json").unlink()
+    elif damage == "seq at another slot":
+        _rewrite_seq(seq, _swap)
+    elif damage == "block_rows":
+        _rewrite_json(info, block_rows=100)
+    elif damage in ("write_count", "incarnations", "rows"):
+        _rewrite_json(info, **{damage: json.loads(info.read_text())[damage] + 7})
+    elif damage == "meta dtype":
+        _retype(snap / "meta.json")
+    else:
+        info.write_text("[]")
     with pytest.raises(BadSnapshot):
         snapshot.restore(snap, shm_dir / "dst")
     assert not (shm_dir / "dst").exists() and leftovers(shm_dir) == []

@@ -4,13 +4,15 @@
 
     <snapshot>/meta.json       the storage's own meta.json (format, schema, capacity, layout)
     <snapshot>/snapshot.json   this format's name and version, write_count, incarnations,
-                               rows, skipped, block_rows, written_at
+                               rows, skipped, block_rows, written_at, and sha256 (of
+                               meta.json's bytes and the other values of snapshot.json)
     <snapshot>/seq.lz4         one int64 sequence number per slot; 0 for slots left out
     <snapshot>/data.lz4        for each block of ``block_rows`` slots: the block's records,
                                then each column's rows of the block (raw bytes)
 
-Both ``.lz4`` files are lz4 frames with block and content checksums, so a damaged
-snapshot is refused on restore rather than restored wrong.
+Both ``.lz4`` files are lz4 frames with block and content checksums, and ``sha256``
+covers the two ``.json`` files, so a damaged snapshot is refused on restore rather than
+restored wrong.
 
 **Consistency without stopping anyone.** A block of slots is copied between two
 reads of its sequence numbers, as a sample is: a slot whose number changed during
@@ -28,6 +30,7 @@ with the limiter's error at 0).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,7 +43,7 @@ import lz4.frame
 import numpy as np
 
 from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists
-from ingestd.replay import files
+from ingestd.replay import files, priority
 from ingestd.replay.storage import MappedStore, ReplayStorage
 
 FORMAT = "ingestd-replay-snapshot"
@@ -93,6 +96,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 "incarnations": int(header[files.H_INCARNATIONS]), "rows": int(np.count_nonzero(seq)),
                 "skipped": skipped, "block_rows": block, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                      time.gmtime())}
+        info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
         _publish(tmp, dest)
     except BaseException:
@@ -115,7 +119,7 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
         raise SnapshotExists(f"{dest} already exists; restore into a new path (nothing was changed)")
     capacity = meta["capacity"]
     seq = np.frombuffer(_read_lz4(snapshot / "seq.lz4", [8 * capacity])[0], dtype=np.int64)
-    _check_seq(snapshot, seq, info["write_count"])
+    _check_seq(snapshot, seq, info["write_count"], capacity)
     tmp = _partial(dest)
     try:
         with ReplayStorage.create(tmp, meta["schema"], capacity) as store:
@@ -126,6 +130,8 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 store.seq[:] = seq  # last: until here every slot reads as never written
                 store._header[files.H_WRITE_COUNT] = info["write_count"]
                 store._header[files.H_INCARNATIONS] = info["incarnations"]
+        # the priority tree was made for the empty storage: the first attach rebuilds it from seq
+        (tmp / priority.FILE).unlink(missing_ok=True)
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -141,6 +147,8 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
         raise BadSnapshot(f"no snapshot at {str(snapshot)!r}: not a directory")
     try:
         info = json.loads((snapshot / "snapshot.json").read_text())
+        if not isinstance(info, dict):
+            raise ValueError("snapshot.json does not hold an object")
         if info.get("format") != FORMAT:
             raise ValueError(f"format is {info.get('format')!r}, expected {FORMAT!r}")
         if info.get("version") != VERSION:
@@ -150,6 +158,8 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
                 raise ValueError(f"{key} must be a non-negative integer, got {info.get(key)!r}")
         if info["block_rows"] < 1:
             raise ValueError("block_rows must be positive")
+        if info.get("sha256") != _digest(snapshot / "meta.json", info):
+            raise ValueError("snapshot.json or meta.json was changed or damaged (their sha256 does not match)")
         meta = files.read_meta(snapshot)
         if meta["capacity"] != info["capacity"]:
             raise ValueError(f"capacity {info['capacity']} differs from meta.json's {meta['capacity']}")
@@ -204,11 +214,19 @@ def _fill_rows(store: ReplayStorage, path: Path, block: int) -> None:
         raise BadSnapshot(f"{path} is damaged: {exc}") from None
 
 
-def _check_seq(snapshot: Path, seq: np.ndarray, write_count: int) -> None:
-    """Every kept slot must hold a committed row written before ``write_count``."""
-    kept = seq[seq != 0]
-    if kept.size and ((kept & 1).any() or kept.min() < 2 or (kept.max() - 2) // 2 >= write_count):
+def _check_seq(snapshot: Path, seq: np.ndarray, write_count: int, capacity: int) -> None:
+    """Every kept slot must hold a committed row written before ``write_count``, at its own slot."""
+    slots = np.flatnonzero(seq)
+    kept = seq[slots]
+    if kept.size and ((kept & 1).any() or kept.min() < 2 or (kept.max() - 2) // 2 >= write_count
+                      or ((kept - 2) // 2 % capacity != slots).any()):
         raise BadSnapshot(f"{snapshot}/seq.lz4 holds sequence numbers that no committed row can have")
+
+
+def _digest(meta: Path, info: dict) -> str:
+    """sha256 of ``meta``'s bytes and ``info``'s values but its own (the .lz4 files check themselves)."""
+    fields = json.dumps({k: v for k, v in info.items() if k != "sha256"}, sort_keys=True)
+    return hashlib.sha256(meta.read_bytes() + fields.encode()).hexdigest()
 
 
 def _row_bytes(store: MappedStore) -> int:
