@@ -35,7 +35,7 @@ def test_round_trip_is_exact(shm_dir, kind, capacity):
     saved = snapshot.save(src, shm_dir / "snap")
     assert (saved.rows, saved.skipped, saved.capacity, saved.write_count) == (capacity, 0, capacity, written)
     assert saved.bytes > 0 and sorted(p.name for p in (shm_dir / "snap").iterdir()) == \
-        ["data.lz4", "meta.json", "seq.lz4", "snapshot.json"]
+        ["data.lz4", "meta.json", "priority.lz4", "seq.lz4", "snapshot.json"]
     restored = snapshot.restore(shm_dir / "snap", shm_dir / "dst")
     assert (restored.rows, restored.write_count) == (capacity, saved.write_count)
     with ReplayReader(src) as a, ReplayReader(shm_dir / "dst") as b:
@@ -49,6 +49,35 @@ def test_round_trip_is_exact(shm_dir, kind, capacity):
     with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:  # its tree is rebuilt
         assert reader.sample(32).batch_size == (32,)
     assert leftovers(shm_dir) == []
+
+
+def test_priorities_are_kept(shm_dir):
+    src = filled(shm_dir / "src", "cartpole", 1024, rows=1000)
+    with ReplayReader(src, sampler="prioritized", alpha=1.0, seed=0) as reader:
+        batch = reader.sample(200)
+        assert reader.update_priorities(batch, np.linspace(0.5, 7.0, 200)) > 0
+        want = np.array(reader._sampling.tree.levels[0][:1024])
+        want_max = reader._sampling.tree.max_leaf
+    snapshot.save(src, shm_dir / "snap")
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    with ReplayReader(shm_dir / "dst", sampler="prioritized", alpha=1.0, seed=0) as reader:
+        tree = reader._sampling.tree
+        assert np.array_equal(np.array(tree.levels[0][:1024]), want)
+        assert tree.max_leaf == want_max > 1.0 and tree.total == pytest.approx(want.sum())
+    with ReplayStorage.open(shm_dir / "dst") as store:  # a new row enters at the kept maximum
+        store.write(rp.template(store.schema, 1))
+        assert store._priorities.levels[0][1000] == want_max
+
+
+def test_a_storage_without_a_tree_restores_at_the_default_priority(shm_dir):
+    src = filled(shm_dir / "src", "cartpole", 256, rows=200)
+    (shm_dir / "src" / "priority.bin").unlink()
+    snapshot.save(src, shm_dir / "snap")
+    assert not (shm_dir / "snap" / "priority.lz4").exists()
+    assert json.loads((shm_dir / "snap" / "snapshot.json").read_text())["priorities"] is False
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:
+        assert reader._sampling.tree.total == 200.0 and reader.sample(16).batch_size == (16,)
 
 
 def test_an_empty_storage_round_trips(shm_dir):
@@ -171,7 +200,8 @@ def _retype(meta) -> None:  # same layout, other dtype: read_meta alone cannot t
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated data", "truncated seq", "odd seq", "format",
                                     "missing meta", "seq at another slot", "block_rows", "write_count",
-                                    "incarnations", "rows", "meta dtype", "not an object"])
+                                    "incarnations", "rows", "meta dtype", "not an object", "missing priorities",
+                                    "max_priority", "negative priority"])
 def test_a_damaged_snapshot_is_refused_and_nothing_is_created(shm_dir, damage):
     kind = "pixels" if damage == "block_rows" else "cartpole"  # with columns, block_rows decides where bytes go
     src = filled(shm_dir / "src", kind, 200 if kind == "pixels" else 1024, rows=200 if kind == "pixels" else 1000)
@@ -204,6 +234,16 @@ def test_a_damaged_snapshot_is_refused_and_nothing_is_created(shm_dir, damage):
         _rewrite_json(info, **{damage: json.loads(info.read_text())[damage] + 7})
     elif damage == "meta dtype":
         _retype(snap / "meta.json")
+    elif damage == "missing priorities":
+        (snap / "priority.lz4").unlink()
+    elif damage == "max_priority":
+        _rewrite_json(info, max_priority=9.0)
+    elif damage == "negative priority":
+        import lz4.frame
+
+        leaves = np.frombuffer(lz4.frame.decompress((snap / "priority.lz4").read_bytes()), dtype=np.float64).copy()
+        leaves[3] = -1.0
+        (snap / "priority.lz4").write_bytes(lz4.frame.compress(leaves.tobytes()))
     else:
         info.write_text("[]")
     with pytest.raises(BadSnapshot):

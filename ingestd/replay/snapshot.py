@@ -4,13 +4,16 @@
 
     <snapshot>/meta.json       the storage's own meta.json (format, schema, capacity, layout)
     <snapshot>/snapshot.json   this format's name and version, write_count, incarnations,
-                               rows, skipped, block_rows, written_at, and sha256 (of
-                               meta.json's bytes and the other values of snapshot.json)
+                               rows, skipped, block_rows, priorities, max_priority,
+                               written_at, and sha256 (of meta.json's bytes and the
+                               other values of snapshot.json)
     <snapshot>/seq.lz4         one int64 sequence number per slot; 0 for slots left out
+    <snapshot>/priority.lz4    one float64 priority-tree leaf per slot (when the storage had a
+                               tree, as every storage a daemon wrote has: ``priorities``)
     <snapshot>/data.lz4        for each block of ``block_rows`` slots: the block's records,
                                then each column's rows of the block (raw bytes)
 
-Both ``.lz4`` files are lz4 frames with block and content checksums, and ``sha256``
+The ``.lz4`` files are lz4 frames with block and content checksums, and ``sha256``
 covers the two ``.json`` files, so a damaged snapshot is refused on restore rather than
 restored wrong.
 
@@ -24,9 +27,9 @@ worker commits while the snapshot runs may or may not be in it.
 synced, and renamed into place: a directory with the destination's name is always
 complete. A restore builds the new storage the same way.
 
-Not in a snapshot: the prioritized sampler's tree (rebuilt on restore, every row at the
-default maximum priority) and the rate limiter's counters (a restored storage starts
-with the limiter's error at 0).
+Priorities are kept: the restored rows have the leaves (``(priority + eps) ** alpha``) they
+had, and new rows enter at the same maximum. Not in a snapshot: the rate limiter's
+counters (a restored storage starts with the limiter's error at 0).
 """
 from __future__ import annotations
 
@@ -90,12 +93,13 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
         shutil.copyfile(Path(replay_path) / "meta.json", tmp / "meta.json")
         seq, block, skipped = _copy_rows(store, tmp / "data.lz4")
         _write_lz4(tmp / "seq.lz4", [seq.tobytes()])
+        top = _save_priorities(Path(replay_path), store.capacity, tmp / "priority.lz4")
         header = store._header
         info = {"format": FORMAT, "version": VERSION, "capacity": store.capacity,
                 "write_count": int(header[files.H_WRITE_COUNT]),  # read last: above every copied row's index
                 "incarnations": int(header[files.H_INCARNATIONS]), "rows": int(np.count_nonzero(seq)),
-                "skipped": skipped, "block_rows": block, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                     time.gmtime())}
+                "skipped": skipped, "block_rows": block, "priorities": top is not None, "max_priority": top,
+                "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
         _publish(tmp, dest)
@@ -110,8 +114,8 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
 
 def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInfo:
     """Create a new storage at ``dest`` (which must not exist) holding the snapshot's rows,
-    ``write_count`` and incarnations. Open it with ``ReplayStorage.open`` or point the
-    daemon's ``replay.path`` at it."""
+    ``write_count``, incarnations and priorities. Open it with ``ReplayStorage.open`` or point
+    the daemon's ``replay.path`` at it."""
     started = time.monotonic()
     snapshot, dest = Path(snapshot), Path(dest)
     info, meta = read_info(snapshot)
@@ -120,6 +124,11 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
     capacity = meta["capacity"]
     seq = np.frombuffer(_read_lz4(snapshot / "seq.lz4", [8 * capacity])[0], dtype=np.int64)
     _check_seq(snapshot, seq, info["write_count"], capacity)
+    leaves = None
+    if info["priorities"]:
+        leaves = np.frombuffer(_read_lz4(snapshot / "priority.lz4", [8 * capacity])[0], dtype=np.float64)
+        if not (np.isfinite(leaves).all() and (leaves >= 0).all()):
+            raise BadSnapshot(f"{snapshot}/priority.lz4 holds priorities that are negative or not finite")
     tmp = _partial(dest)
     try:
         with ReplayStorage.create(tmp, meta["schema"], capacity) as store:
@@ -130,8 +139,7 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 store.seq[:] = seq  # last: until here every slot reads as never written
                 store._header[files.H_WRITE_COUNT] = info["write_count"]
                 store._header[files.H_INCARNATIONS] = info["incarnations"]
-        # the priority tree was made for the empty storage: the first attach rebuilds it from seq
-        (tmp / priority.FILE).unlink(missing_ok=True)
+            _restore_priorities(store._priorities, seq, leaves, info["max_priority"])
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -158,6 +166,12 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
                 raise ValueError(f"{key} must be a non-negative integer, got {info.get(key)!r}")
         if info["block_rows"] < 1:
             raise ValueError("block_rows must be positive")
+        if not isinstance(info.get("priorities"), bool):
+            raise ValueError(f"priorities must be true or false, got {info.get('priorities')!r}")
+        top = info.get("max_priority")
+        if info["priorities"] and (isinstance(top, bool) or not isinstance(top, (int, float))
+                                   or not np.isfinite(top) or top < 0):
+            raise ValueError(f"max_priority must be a finite number >= 0, got {top!r}")
         if info.get("sha256") != _digest(snapshot / "meta.json", info):
             raise ValueError("snapshot.json or meta.json was changed or damaged (their sha256 does not match)")
         meta = files.read_meta(snapshot)
@@ -212,6 +226,32 @@ def _fill_rows(store: ReplayStorage, path: Path, block: int) -> None:
                 raise BadSnapshot(f"{path} holds more data than its storage's capacity")
     except (RuntimeError, EOFError, OSError) as exc:
         raise BadSnapshot(f"{path} is damaged: {exc}") from None
+
+
+def _save_priorities(replay_path: Path, capacity: int, path: Path) -> float | None:
+    """Write the tree's leaves to ``path``; the maximum leaf, or None when there is no tree
+    (a storage never opened for writing) or it cannot be read (the rows are still saved)."""
+    if not (replay_path / priority.FILE).exists():
+        return None
+    try:
+        tree = priority.PriorityTree(replay_path, capacity)
+    except (OSError, ValueError):
+        return None
+    try:
+        _write_lz4(path, [tree.levels[0][:capacity].tobytes()])
+        return tree.max_leaf
+    finally:
+        tree.close()
+
+
+def _restore_priorities(tree: priority.PriorityTree, seq: np.ndarray, leaves: np.ndarray | None,
+                        top: float | None) -> None:
+    """The kept rows' leaves (the default maximum without saved priorities), and the maximum."""
+    kept = np.flatnonzero(seq)
+    tree.update(kept, leaves[kept] if leaves is not None else np.full(kept.size, priority.DEFAULT_MAX))
+    if top is not None:
+        with tree.locked():
+            tree._max[0] = top
 
 
 def _check_seq(snapshot: Path, seq: np.ndarray, write_count: int, capacity: int) -> None:
