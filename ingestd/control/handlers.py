@@ -355,8 +355,7 @@ def snapshot(ctx: Context, request: Snapshot) -> dict:
             raise RequestError(ErrorCode.SNAPSHOT_FAILED, f"no snapshot was written in {folder}: {exc}") from None
     finally:
         ctx.snapshot_lock.release()
-    result = Snapshotted(info.path, info.capacity, info.write_count, info.rows, info.skipped, info.bytes,
-                         round(info.seconds, 6)).to_json()
+    result = Snapshotted(**info.to_json()).to_json()  # the same fields (seconds rounded by save)
     log.info("snapshot %s: %d rows (%d left out while being written), %.1f MB in %.2f s",
              info.path, info.rows, info.skipped, info.bytes / 1e6, info.seconds)
     ctx.publish("replay.snapshot", **result)

@@ -265,6 +265,17 @@ def unlock_slots(fd: int, first: int, count: int) -> None:
     fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, first, count, 0))
 
 
+def segments(start: int, n: int, capacity: int) -> list[tuple[slice, slice]]:
+    """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)`` of a
+    ring of ``capacity`` slots: one, or two where the range wraps."""
+    first = start % capacity
+    head = min(n, capacity - first)
+    parts = [(slice(first, first + head), slice(0, head))]
+    if head < n:
+        parts.append((slice(0, n - head), slice(head, n)))
+    return parts
+
+
 def slots_locked(fd: int, first: int, count: int) -> bool:
     """Whether another handle (a live writer) holds a lock on any of the slots."""
     res = fcntl.fcntl(fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))

@@ -142,12 +142,10 @@ class PriorityTree:
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
         if n <= 0:
             return
-        head = min(n, self.capacity - first)
-        runs = [(first, first + head)] + ([(0, n - head)] if head < n else [])
         with self.locked():
-            for lo, hi in runs:
-                self.levels[0][lo:hi] = self._max[0]
-                self._propagate_run(lo, hi)
+            for run, _ in files.segments(first, n, self.capacity):
+                self.levels[0][run] = self._max[0]
+                self._propagate_run(run.start, run.stop)
 
     def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
                expected_seq: np.ndarray | None = None) -> int:

@@ -186,7 +186,8 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
 def _copy_rows(store: MappedStore, path: Path) -> tuple[np.ndarray, int, int]:
     """Write the rows block by block; ``(seq with the left-out slots at 0, block_rows, skipped)``."""
     capacity = store.capacity
-    block = max(1, BLOCK_BYTES // max(1, _row_bytes(store)))
+    row_bytes = sum(view.nbytes for view in _block_views(store, 0, 1))
+    block = max(1, BLOCK_BYTES // max(1, row_bytes))
     out = np.zeros(capacity, dtype=np.int64)
     skipped = 0
     with lz4.frame.open(path, "wb", **_LZ4) as f:
@@ -203,23 +204,27 @@ def _copy_rows(store: MappedStore, path: Path) -> tuple[np.ndarray, int, int]:
     return out, block, skipped
 
 
+def _block_views(store: MappedStore, lo: int, hi: int) -> list[np.ndarray]:
+    """Slots ``[lo, hi)`` of the mapped storage as they are laid out in ``data.lz4``: their
+    records, then each column."""
+    return [store._records[lo:hi]] + [store._arrays[k][lo:hi] for k in store._layout.columns]
+
+
 def _read_block(store: MappedStore, lo: int, hi: int) -> list[bytes]:
-    """The raw bytes of slots ``[lo, hi)``: their records, then each column (a separate
-    step so that tests can write into the slots while they are being read)."""
-    return [store._records[lo:hi].tobytes()] + [store._arrays[k][lo:hi].tobytes() for k in store._layout.columns]
+    """The raw bytes of slots ``[lo, hi)`` (a separate step so that tests can write into the
+    slots while they are being read)."""
+    return [view.tobytes() for view in _block_views(store, lo, hi)]
 
 
 def _fill_rows(store: ReplayStorage, path: Path, block: int) -> None:
-    layout, capacity = store._layout, store.capacity
-    sizes = [layout.record_bytes] + [store.schema[k].row_bytes for k in layout.columns]
+    capacity = store.capacity
     try:
         with lz4.frame.open(path, "rb") as f:
             for lo in range(0, capacity, block):
                 hi = min(capacity, lo + block)
-                targets = [store._records[lo:hi]] + [store._arrays[k][lo:hi] for k in layout.columns]
-                for target, size in zip(targets, sizes):
-                    data = f.read(size * (hi - lo))
-                    if len(data) != size * (hi - lo):
+                for target in _block_views(store, lo, hi):
+                    data = f.read(target.nbytes)
+                    if len(data) != target.nbytes:
                         raise BadSnapshot(f"{path} is truncated (slots {lo}..{hi - 1} incomplete)")
                     np.copyto(target.reshape(-1).view(np.uint8), np.frombuffer(data, dtype=np.uint8))
             if f.read(1):  # also makes lz4 check the frame's content checksum
@@ -267,10 +272,6 @@ def _digest(meta: Path, info: dict) -> str:
     """sha256 of ``meta``'s bytes and ``info``'s values but its own (the .lz4 files check themselves)."""
     fields = json.dumps({k: v for k, v in info.items() if k != "sha256"}, sort_keys=True)
     return hashlib.sha256(meta.read_bytes() + fields.encode()).hexdigest()
-
-
-def _row_bytes(store: MappedStore) -> int:
-    return store._layout.record_bytes + sum(store.schema[k].row_bytes for k in store._layout.columns)
 
 
 # -- files ---------------------------------------------------------------------------------------

@@ -350,12 +350,7 @@ class ReplayStorage(MappedStore):
 
     def _segments(self, start: int, n: int) -> list[tuple[slice, slice]]:
         """The (slot slice, batch slice) pairs covering write indices ``[start, start+n)``."""
-        first = start % self.capacity
-        head = min(n, self.capacity - first)
-        parts = [(slice(first, first + head), slice(0, head))]
-        if head < n:
-            parts.append((slice(0, n - head), slice(head, n)))
-        return parts
+        return files.segments(start, n, self.capacity)
 
     def _validate(self, batch: TensorDictBase) -> int:
         self._check_open()
