@@ -31,7 +31,7 @@ def promtool(*args: str, stdin: str | None = None, timeout: float = 30.0) -> sub
 class PrometheusProc:
     """``with PrometheusProc(["127.0.0.1:9464"]) as prom: prom.query("up")``."""
 
-    def __init__(self, targets: list[str], scrape_interval: str = "1s"):
+    def __init__(self, targets: list[str], scrape_interval: str = "1s", rule_files: tuple[Path, ...] = ()):
         self.root = Path(tempfile.mkdtemp(prefix="ingestd-prom-", dir="/dev/shm"))
         self.config_path = self.root / "prometheus.yml"
         # JSON is YAML: no YAML library needed.
@@ -39,6 +39,7 @@ class PrometheusProc:
             "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
                        "evaluation_interval": scrape_interval},
             "scrape_configs": [{"job_name": "ingestd", "static_configs": [{"targets": targets}]}],
+            "rule_files": [str(path) for path in rule_files],
         }, indent=2))
         self.log_path = self.root / "prometheus.log"
         self.proc: subprocess.Popen | None = None
