@@ -20,16 +20,18 @@ panel). The returns of the daemon's workers climb from about 20 (random) to
 
 **Freshness ("max lag").** The trainer trains only on rows whose
 ``("ingestd", "policy_version")`` is at least ``last pushed version - max_lag``.
-It drops older rows and draws more. ``ReplayReader`` has no such option yet, so
-the filter lives here (``FreshSampler``). For every update the trainer records
+It drops older rows and draws more (``FreshSampler``).
+``ReplayReader(..., max_policy_lag=L, weights_path=...)`` filters the same way
+against the weight store's newest version (docs/sampling.md); the example keeps
+its own filter so that it can count the stale rows it refused. For every update the trainer records
 the version it trained against and the oldest and newest versions of its
 rows, and it counts the rows of each version, so the property can be checked
 afterwards.
 
 **The daemon's returns** are read from the daemon, never from the trainer's
 own bookkeeping: ``DaemonReturns`` takes the last finished episodes of each
-worker. ``Status`` carries only each worker's *last* return, so for now this
-reads the workers' stats block (the one ``status`` and the metrics read).
+worker from ``status`` (``WorkerStatus.recent_returns``, the workers' stats
+block that the metrics read too).
 
 Import it to drive it from Python: ``train(TrainConfig(replay=...)) -> TrainResult``.
 Another loss plugs in through ``train(..., learner=...)``; see ``torchrl_dqnloss.py``.
@@ -138,9 +140,9 @@ class TrainResult:
 class DaemonReturns:
     """The returns of the episodes the daemon's workers finished last (daemon state, not ours).
 
-    ``Status.workers[i].last_return`` holds only the latest one. Until the status reply
-    carries each worker's ring of recent returns, the ring is read from the daemon's
-    stats block file (read-only, one copy per call)."""
+    ``Status.workers[i].recent_returns`` holds each worker's ring of recent returns. For a
+    status without that field, the ring is read from the daemon's stats block file
+    (read-only, one copy per call)."""
 
     def __init__(self, stats_path: str | os.PathLike | None = None):
         self._stats_path = Path(stats_path) if stats_path else None

@@ -164,6 +164,29 @@ def test_per_worker_panels_filter_by_the_worker_variable(dash):
             assert 'instance=~"$instance"' in expr, (panel["title"], ref)
 
 
+def series_unit(panel: dict, ref: str) -> str | None:
+    """The unit Grafana shows a target's series in: a byFrameRefID override, else the panel's."""
+    unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+    for override in panel.get("fieldConfig", {}).get("overrides", []):
+        if override.get("matcher") == {"id": "byFrameRefID", "options": ref}:
+            unit = next((p["value"] for p in override.get("properties", []) if p["id"] == "unit"), unit)
+    return unit
+
+
+# Units that would misstate a per-second count of things (rows/s, frames/s): a fraction, a percent,
+# or a duration.
+NOT_A_RATE = {"percent", "percentunit", "s", "ms", "µs", "ns", "dtdurations", "dtdhms"}
+
+
+def test_per_second_series_are_not_shown_as_percent_or_time(dash):
+    """A series whose legend says "/s" must not inherit a panel unit like percentunit (a trainer's
+    25,600 rows/s would read as 2,560,000 %)."""
+    for panel, ref, _ in panel_exprs(dash):
+        target = next(t for t in panel["targets"] if t["refId"] == ref)
+        if "/s" in target.get("legendFormat", ""):
+            assert series_unit(panel, ref) not in NOT_A_RATE, (panel["title"], ref, series_unit(panel, ref))
+
+
 def test_exprs_use_only_known_variables(dash):
     for panel, ref, expr in panel_exprs(dash):
         substitute(expr)  # raises on an unknown variable

@@ -23,3 +23,59 @@ def test_readme_gives_the_two_setup_commands_and_ci_runs_its_test_command():
     test_command = "python3 -m pytest -q"
     assert test_command in readme
     assert ci.rstrip().splitlines()[-1] == test_command, ".ci/run must end with the README's test command"
+
+
+def test_docs_do_not_deny_the_readers_policy_lag_filter():
+    """``ReplayReader(max_policy_lag=...)`` exists (docs/sampling.md): the TorchRL guide and the
+    example must not tell trainers it does not."""
+    import inspect
+    import re
+
+    from ingestd import ReplayReader
+
+    assert "max_policy_lag" in inspect.signature(ReplayReader.__init__).parameters
+    for path in (ROOT / "docs" / "from-torchrl.md", ROOT / "examples" / "dqn_cartpole.py"):
+        text = " ".join(path.read_text().split())
+        assert not re.search(r"ReplayReader`*\s+has\s+no\s+(such|lag)\s+option", text), path.name
+        assert "max_policy_lag" in text, f"{path.name} should point at ReplayReader(max_policy_lag=...)"
+
+
+def test_readme_lists_every_ingestctl_command():
+    import argparse
+
+    from ingestd.control.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    readme = (ROOT / "README.md").read_text()
+    usage = next(p for p in readme.split("\n- ") if p.startswith("`ingestctl [--connect"))
+    missing = [c for c in sub.choices if f"`{c}" not in usage]
+    assert not missing, f"the README's ingestctl line leaves out {missing}"
+
+
+def test_collector_features_says_where_status_shows_a_budget_pause():
+    """docs/collector-features.md: where a user sees that workers paused for the frame budget."""
+    from ingestd.control.cli import format_status
+    from ingestd.control.commands import Status
+
+    worker = {"index": 0, "state": "paused", "pid": 1, "incarnation": 1, "frames": 5120, "frames_per_s": 0.0,
+              "episodes": 3, "last_return": 9.0, "restarts": 0, "weights_version": 1, "heartbeat_age_s": 0.1,
+              "error": "", "pause_reason": "budget", "recent_returns": [9.0]}
+    status = Status.from_json({"pid": 1, "uptime_s": 1.0, "desired": "run", "count": 1, "weights_version": 1,
+                               "replay": {"path": "/r", "rows": 5120, "capacity": 10000, "write_count": 5120},
+                               "workers": [worker], "config": {}})
+    doc = " ".join((ROOT / "docs" / "collector-features.md").read_text().split())
+    if "budget" not in format_status(status):  # the text table shows the state, not why
+        assert "`ingestctl status` shows the reason" not in doc
+
+
+def test_example_does_not_say_status_lacks_the_recent_returns():
+    """``WorkerStatus.recent_returns`` exists: the example must not claim status has only the last return."""
+    import dataclasses
+    import re
+
+    from ingestd.control.commands import WorkerStatus
+
+    assert "recent_returns" in {f.name for f in dataclasses.fields(WorkerStatus)}
+    text = " ".join((ROOT / "examples" / "dqn_cartpole.py").read_text().split())
+    assert not re.search(r"carries only each worker's \*?last\*? return", text)
+    assert not re.search(r"Until the status reply carries", text)

@@ -60,6 +60,15 @@ def exposed(text: str) -> dict[str, tuple[str, set[str]]]:
     return {name: (kind, labels[name]) for name, kind in types.items()}
 
 
+def test_labels_table_lists_every_label_of_the_reference():
+    """The "Labels are few and bounded" table names every label a metric carries (ingestd_build_info's
+    version labels are explained in its own row)."""
+    text = DOCS.read_text()
+    table = set(re.findall(r"^\| `(\w+)` \| ", text.split("## Reference")[0], re.M))
+    used = set().union(*(labels for name, (_, labels) in documented().items() if name != "ingestd_build_info"))
+    assert used - table == set(), f"labels missing from the labels table: {sorted(used - table)}"
+
+
 # -- the collector on a real stats block ------------------------------------------------------
 class Box(SimpleNamespace):
     """Stand-in for the replay storage / weight store: only the fields the collector reads."""
@@ -321,6 +330,30 @@ def test_dashboard_uses_only_exposed_metrics(live):
     for panel, ref, expr in panel_exprs(load_dashboard()):
         missing = metric_names(expr) - names
         assert not missing, f"panel {panel['title']!r} ({ref}) uses {sorted(missing)}, which the exporter lacks"
+
+
+# Labels a query may use besides the exporter's: Prometheus adds `instance` and `job` to every series.
+TARGET_LABELS = {"instance", "job"}
+SELECTOR = re.compile(r"\b((?:ingestd|process)_[a-z0-9_]+)\{([^}]*)\}")
+GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def test_dashboard_uses_only_exposed_labels(live):
+    """Label names in selectors and in by/on clauses exist on the metrics the expr reads (a typo like
+    `wroker=~".*"` or `by (stats)` still returns data, so the Prometheus test cannot catch it)."""
+    labels: dict[str, set[str]] = {}
+    for name, labelset in samples(fetch(live)):
+        labels.setdefault(name, set()).update(k for k, _ in labelset)
+    for panel, ref, expr in panel_exprs(load_dashboard()):
+        where = f"panel {panel['title']!r} ({ref})"
+        for metric, matchers in SELECTOR.findall(expr):
+            named = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+            unknown = named - labels[metric] - TARGET_LABELS
+            assert not unknown, f"{where}: {metric} has no label {sorted(unknown)}"
+        known = set().union(*(labels[m] for m in metric_names(expr))) | TARGET_LABELS
+        for group in GROUPING.findall(expr):
+            named = {g.strip() for g in group.split(",") if g.strip()}
+            assert named <= known, f"{where}: groups by {sorted(named - known)}, which no metric of it has"
 
 
 def test_dashboard_exprs_return_series_from_real_prometheus(live):
