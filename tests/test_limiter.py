@@ -13,6 +13,7 @@ from ingestd.collect.stats import PauseReason, StatsBlock
 from ingestd.errors import SampleTimeout
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.limiter import Limiter, LimiterParams, RateLimited, check_window, hold_worker
+from ingestd.replay.sampling import sampling_metrics
 
 
 def store_with(path, n=100, capacity=10_000):
@@ -127,6 +128,21 @@ def test_samples_are_counted_only_while_enabled(shm_dir):
         r.sample(10)
         assert lim.samples == 10
         lim.close()
+
+
+def test_metrics_follow_a_reopened_storage(shm_dir):
+    """The metrics read the storage handle they are given, not one closed since (a daemon
+    started again in the same process, on the same path)."""
+    stats = StatsBlock(shm_dir / "stats", create=True)
+    try:
+        for n in (100, 50):
+            with ReplayStorage.open_or_create(shm_dir / "r", rows(1), 10_000) as store:
+                store.write(rows(n))
+                families = {f.name: f for f in sampling_metrics(store, 0, stats)}
+                assert families["ingestd_limiter_enabled"].samples[0].value == 0
+                assert families["ingestd_limiter_error"].samples[0].value == store.write_count  # never anchored
+    finally:
+        stats.close()
 
 
 # -- end to end: the trainer stops ----------------------------------------------------------------

@@ -198,6 +198,24 @@ def test_empty_store_errors_and_waiting(shm_dir):
             reader.gather([16])
 
 
+BAD_SIZES = [(3.0, TypeError, "integer"), (2.5, TypeError, "integer"), (True, TypeError, "integer"),
+             ("8", TypeError, "integer"), (0, ValueError, "positive"), (-3, ValueError, "positive")]
+
+
+@pytest.mark.parametrize("size, error, message", BAD_SIZES, ids=[repr(c[0]) for c in BAD_SIZES])
+def test_a_bad_batch_size_is_a_clear_error_and_the_reader_keeps_working(shm_dir, size, error, message):
+    path = filled(shm_dir / "r")
+    with ReplayReader(path, seed=0) as reader:
+        with pytest.raises(error, match=message):
+            reader.sample(size)
+        with pytest.raises(error, match=message):
+            reader.empty_batch(size)
+        assert reader.sample(4).batch_size == (4,)  # a refused size leaves nothing behind
+        for size in (np.int64(5), torch.tensor(5)):  # integers of other types are integers
+            assert reader.sample(size).batch_size == (5,)
+            assert reader.sample(5, out=reader.empty_batch(size)).batch_size == (5,)
+
+
 def test_only_dead_slots_then_empty(shm_dir):
     path = filled(shm_dir / "r", capacity=16, rows=16)
     with ReplayStorage.open(path) as store:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sampling_rows import rows
+from sampling_rows import checksum_rollouts, example_rows, rows
 
 from ingestd.errors import EmptyReplay
 from ingestd.replay import ReplayReader, ReplayStorage
@@ -44,6 +44,23 @@ def test_sequences_obey_the_lag_and_report_it(shm_dir):
     with versions_store(shm_dir / "r") as store, ReplayReader(store.path, weights_version=lambda: 9) as r:
         td = r.sample(300)
         assert r.last_policy_lag[2] > 2  # no filter: old rows come back, and the lag says so
+
+
+def test_sequences_obey_the_lag(shm_dir):
+    rollouts = checksum_rollouts(2, 4, 5)
+    with ReplayStorage.create(shm_dir / "r", example_rows(), 4000) as store:
+        for i in range(150):  # versions 0..9, 15 chunks each
+            chunk = rollouts[i % 2].chunk(0)[0]
+            chunk.get(PV).fill_(i // 15)
+            store.write(chunk)
+        current = [9]
+        with ReplayReader(store.path, seed=0, max_policy_lag=1, weights_version=lambda: current[0]) as r:
+            for cross in (False, True):
+                td = r.sample_sequences(32, 4, cross_episodes=cross)
+                assert int(td.get(PV).min()) >= 8 and r.last_policy_lag[2] <= 1
+            current[0] = 20
+            with pytest.raises(EmptyReplay, match="policy_version >= 19"):
+                r.sample_sequences(4, 2)
 
 
 def test_weights_path_gives_the_version(shm_dir):

@@ -5,6 +5,7 @@ updating priorities at once)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import tempfile
@@ -228,6 +229,26 @@ def test_existing_storage_gets_a_tree_with_its_committed_rows(shm_dir):
     with ReplayReader(shm_dir / "r", seed=0, sampler="prioritized") as r:
         assert np.allclose(r._sampling.tree.levels[0][:20], 1.0) and r._sampling.tree.total == pytest.approx(20)
         assert set(r.sample(500)["ingestd", "index"].tolist()) == set(range(20))
+
+
+def _killed_between_commit_and_enter(path):
+    store = ReplayStorage.open(path)
+    store._priorities.enter = lambda first, n: os._exit(9)  # as a kill -9 right after the commit
+    store.write(rows(8))
+
+
+def test_rows_committed_by_a_writer_killed_before_they_entered_the_tree_are_sampled_after_recovery(shm_dir):
+    with make(shm_dir / "r", capacity=64, n=16) as store:
+        path = str(store.path)
+    child = mp.get_context("fork").Process(target=_killed_between_commit_and_enter, args=(path,))
+    child.start()
+    child.join(20)
+    assert child.exitcode == 9
+    with ReplayStorage.open(path, recover=True) as store, ReplayReader(path, seed=0, sampler="prioritized") as r:
+        assert store.write_count == 24 and list(store.seq[16:24]) == [2 * w + 2 for w in range(16, 24)]
+        tree = r._sampling.tree
+        assert np.allclose(tree.levels[0][:24], 1.0) and tree_consistent(tree)  # at the maximum, as if entered
+        assert set(r.sample(2000)["ingestd", "index"].tolist()) == set(range(24))
 
 
 def test_bad_arguments(shm_dir):

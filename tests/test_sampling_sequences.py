@@ -100,6 +100,18 @@ def test_too_long_or_empty(shm_dir):
         r.sample_sequences(2, 2)
 
 
+def test_impossible_lengths_say_why(shm_dir):
+    with fill(shm_dir / "r", capacity=1000, chunks=20) as store, \
+            ReplayReader(store.path, seed=5, max_policy_lag=3, weights_version=lambda: 0) as r:
+        r.sample(8)  # a uniform sample before: its lag filter must not explain the sequences' failure
+        with pytest.raises(EmptyReplay, match="41 consecutive steps of one episode.*cross_episodes=True"):
+            r.sample_sequences(4, 41)  # Checksum episodes last at most 40 steps
+        with pytest.raises(ValueError, match="capacity 1000"):  # longer than the ring: refused at once
+            r.sample_sequences(4, 1001, timeout=30)
+        with pytest.raises(TypeError, match="integer"):
+            r.sample_sequences(4, 2.0)
+
+
 def test_rows_written_between_calls_and_a_ring_lapped_between_calls(shm_dir):
     # the run table is brought up to date incrementally, and rebuilt after falling a ring behind
     rollouts = checksum_rollouts(3, 4, 5, seed=11)

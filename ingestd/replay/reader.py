@@ -14,6 +14,7 @@ nested TensorDict is put together from a key plan made once.
 """
 from __future__ import annotations
 
+import operator
 import os
 import time
 import weakref
@@ -98,8 +99,8 @@ class ReplayReader(MappedStore):
         no tensor is created, which makes small-row sampling about twice as fast; use it for a
         reused staging batch. The previous contents are overwritten (and are undefined if the
         call raises: rows may have been partly copied in)."""
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if type(batch_size) is not int or batch_size <= 0:
+            batch_size = rows_count(batch_size, "batch_size")
         if out is not None:
             return self._sample_into(out, batch_size, timeout)
         if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
@@ -130,9 +131,7 @@ class ReplayReader(MappedStore):
         would no longer receive the rows, so the next ``sample`` into the batch raises. Moving
         its memory in place (``share_memory_``, or sending it through a ``torch.multiprocessing``
         queue) is followed."""
-        n = int(batch_size)
-        if n <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        n = rows_count(batch_size, "batch_size")
         blocks = [torch.from_numpy(np.empty((shape[0], n, *shape[1:]), dtype))  # (leaves, n, *shape)
                   for _, shape, dtype, _, _ in self._groups]
         columns = [torch.empty((n, *c.shape[1:]), dtype=c.dtype) for c in self._columns]
@@ -306,6 +305,21 @@ class ReplayReader(MappedStore):
             sampling.close()
         self._columns = []
         super().close()
+
+
+def rows_count(value, name: str) -> int:
+    """``value`` as a positive number of rows (any integer type: numpy's, a 0-d tensor); a float
+    or a bool is refused rather than rounded."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer number of rows, got {value!r} "
+                        f"({type(value).__name__}); pass an int") from None
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {n}")
+    return n
 
 
 def _plan_nodes(order: list) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:

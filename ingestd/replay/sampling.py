@@ -27,6 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 from ingestd.errors import EmptyReplay, SampleTimeout
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
+from ingestd.replay.reader import rows_count
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -85,22 +86,31 @@ class Sampling:
         return self._blocking(lambda: self._sample(n, into), n, timeout)
 
     def sample_sequences(self, batch: int, length: int, cross_episodes: bool, timeout: float | None) -> TensorDict:
-        if batch <= 0 or length <= 0:
-            raise ValueError(f"batch_size and length must be positive, got {batch}, {length}")
+        batch, length = rows_count(batch, "batch_size"), rows_count(length, "length")
+        if length > self.reader.capacity:
+            raise ValueError(f"length {length} is more steps than the storage's capacity {self.reader.capacity} "
+                             "holds; sample shorter sequences")
         if self._sequences is None:
             from ingestd.replay.sequences import SequenceSampler
 
             self._sequences = SequenceSampler(self.reader)
 
         def attempt():
-            out = self._sequences.sample(batch, length, cross_episodes)
+            self._min_version = None
+            if self.max_policy_lag is not None:
+                self._min_version = self.weights_version() - self.max_policy_lag
+            out = self._sequences.sample(batch, length, cross_episodes, self._min_version)
             if out is not None:
                 self._note_lag(out)
             return out
-        return self._blocking(attempt, batch * length, timeout)
+        unit = "trajectory" if cross_episodes else "episode (episodes may be shorter: sample shorter " \
+            "sequences, or pass cross_episodes=True)"
+        return self._blocking(attempt, batch * length, timeout, f"no {length} consecutive steps of one {unit}")
 
-    def _blocking(self, attempt: Callable[[], TensorDict | None], n: int, timeout: float | None) -> TensorDict:
-        """Run ``attempt`` once the limiter allows, until it returns rows or the deadline passes."""
+    def _blocking(self, attempt: Callable[[], TensorDict | None], n: int, timeout: float | None,
+                  none_found: str | None = None) -> TensorDict:
+        """Run ``attempt`` once the limiter allows, until it returns rows or the deadline passes
+        (``none_found``: why, when there are rows but ``attempt`` found none that qualify)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waited_from = None
         while True:
@@ -113,7 +123,7 @@ class Sampling:
                     if self.limiter is not None:
                         self.limiter.count_samples(n)
                     return out
-                why = self._empty_reason()
+                why = self._empty_reason(none_found)
             elif waited_from is None:
                 waited_from = time.monotonic()
             if deadline is None:
@@ -127,14 +137,15 @@ class Sampling:
                 raise SampleTimeout(f"replay {self.reader.path}: {why} (waited {timeout} s)")
             time.sleep(_POLL_S)
 
-    def _empty_reason(self) -> str:
+    def _empty_reason(self, none_found: str | None) -> str:
         if len(self.reader) == 0:
             return "no committed rows yet"
         if self.sampler == "prioritized" and self.tree.total <= 0:
             return "every priority is 0"
         if self._min_version is not None:
-            return f"no rows with policy_version >= {self._min_version} (max_policy_lag {self.max_policy_lag})"
-        return "no committed rows could be copied"
+            lag = f"rows with policy_version >= {self._min_version} (max_policy_lag {self.max_policy_lag})"
+            return f"no {lag}" if none_found is None else f"{none_found}, among {lag}"
+        return none_found or "no committed rows could be copied"
 
     def update_priorities(self, index, priority, write_index=None) -> int:
         """Set the priorities of sampled rows; returns how many were applied.
@@ -311,7 +322,7 @@ def _numpy(x) -> np.ndarray:
 
 # -- metrics (read by the daemon's Prometheus collector at scrape time) ---------------------------
 _LAG_SUBSAMPLE = 4096
-_limiters: dict = {}
+_limiters: dict = {}  # storage path -> (the storage handle, its limiter)
 
 
 def stored_lag(store, current: int, n: int = _LAG_SUBSAMPLE, rng=None) -> tuple[int, float, int] | None:
@@ -336,9 +347,13 @@ def sampling_metrics(storage, current: int, stats) -> list:
 
     from ingestd.collect.stats import PauseReason, State
 
-    lim = _limiters.get(storage.path)
+    cached = _limiters.get(storage.path)
+    lim = cached[1] if cached is not None and cached[0] is storage else None
     if lim is None and (storage.path / LIMITER_FILE).exists():
-        lim = _limiters[storage.path] = Limiter(storage.path, inserts=lambda: storage.write_count)
+        if cached is not None:  # made for a handle on this path closed since
+            cached[1].close()
+        lim = Limiter(storage.path, inserts=lambda: storage.write_count)
+        _limiters[storage.path] = (storage, lim)
     out = []
     stored = GaugeMetricFamily("ingestd_replay_policy_lag_versions", "Policy lag (current weights version minus "
                                "the row's policy_version) of stored rows, from a random subsample of "

@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 from tensordict import TensorDict
 
-WORKER, ENV, EPISODE, STEP, WRITE_INDEX = (("ingestd", f) for f in ("worker", "env", "episode", "step",
-                                                                    "write_index"))
+WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION = (("ingestd", f) for f in ("worker", "env", "episode", "step",
+                                                                             "write_index", "policy_version"))
 DONE = ("next", "done")
 _SCAN_BLOCKS = (256, 4096, 65536, 1 << 20)  # rows scanned forward for a continuation, growing
 _MAX_ROUNDS = 64
@@ -51,8 +51,8 @@ class SequenceSampler:
         self.reader = reader
         r = reader
         self._w, self._e, self._ep = r._arrays[WORKER], r._arrays[ENV], r._arrays[EPISODE]
-        self._wi = r._arrays[WRITE_INDEX]
-        self._fields = {k: self._field_view(k) for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, DONE)}
+        self._wi, self._version = r._arrays[WRITE_INDEX], r._arrays[VERSION]
+        self._fields = {k: self._field_view(k) for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE)}
         self._runs = _Runs(self._w, self._e, r.seq, r.capacity)
         self._yield = 0.5  # the share of drawn starts that became sequences lately: sizes the next draw
 
@@ -68,8 +68,10 @@ class SequenceSampler:
                               (rb, *array.strides[1:]))
         return view
 
-    def sample(self, batch: int, length: int, cross_episodes: bool = False) -> TensorDict | None:
-        """``[batch, length]`` sequences, or None if none could be completed this time."""
+    def sample(self, batch: int, length: int, cross_episodes: bool = False,
+               min_version: int | None = None) -> TensorDict | None:
+        """``[batch, length]`` sequences (of rows with ``policy_version >= min_version``, if
+        given), or None if none could be completed this time."""
         if batch <= 0 or length <= 0:
             raise ValueError(f"batch and length must be positive, got {batch}, {length}")
         r = self.reader
@@ -80,7 +82,7 @@ class SequenceSampler:
             if filled == 0:
                 return None
             drawn = min(int(1.25 * need / max(self._yield, 1 / 64)) + 8, 64 * batch)
-            got = self._round(drawn, length, cross_episodes, filled)
+            got = self._round(drawn, length, cross_episodes, filled, min_version)
             accepted = 0 if got is None else got[0].shape[0]
             self._yield = 0.5 * self._yield + 0.5 * accepted / drawn
             if got is not None:
@@ -99,7 +101,7 @@ class SequenceSampler:
         return out.reshape(batch, length)
 
     # -- one round: draw, follow, copy, verify ------------------------------------------------
-    def _round(self, n: int, length: int, cross: bool, filled: int):
+    def _round(self, n: int, length: int, cross: bool, filled: int, min_version: int | None = None):
         r = self.reader
         cap = r.capacity
         wc = r.write_count
@@ -107,6 +109,8 @@ class SequenceSampler:
         starts = r._draw(n, filled)
         first = self._wi[starts]
         live = (first >= max(wc - cap, 0)) & (first < wc) & (first % cap == starts)
+        if min_version is not None:  # an early cut only, as for episodes
+            live &= self._version[starts] >= min_version
         starts = starts[live]
         wi = np.empty((starts.size, length), dtype=np.int64)
         wi[:, 0] = first[live]
@@ -127,7 +131,7 @@ class SequenceSampler:
         wi = wi[alive]
         m = alive.size
         records, columns, bad = r._copy((wi % cap).reshape(-1))
-        valid = self._verify(records, bad, wi, m, length, cross)
+        valid = self._verify(records, bad, wi, m, length, cross, min_version)
         if not valid.any():
             return None
         records = records.reshape(m, length)[valid]
@@ -171,9 +175,10 @@ class SequenceSampler:
             start = stop
         return -1
 
-    def _verify(self, records: np.ndarray, bad, wi: np.ndarray, m: int, length: int, cross: bool) -> np.ndarray:
-        """Per sequence: every row committed, unchanged, the row searched for, and a step of one
-        trajectory following the previous one."""
+    def _verify(self, records: np.ndarray, bad, wi: np.ndarray, m: int, length: int, cross: bool,
+                min_version: int | None = None) -> np.ndarray:
+        """Per sequence: every row committed, unchanged, the row searched for, recent enough, and
+        a step of one trajectory following the previous one."""
         f = self._fields
         shape = (m, length)
         ok = np.ones(m, dtype=bool)
@@ -189,6 +194,8 @@ class SequenceSampler:
         if cross:
             same |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
         ok &= same.all(1)
+        if min_version is not None:
+            ok &= (f[VERSION](records).reshape(shape) >= min_version).all(1)
         return ok
 
 

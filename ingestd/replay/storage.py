@@ -223,7 +223,9 @@ class ReplayStorage(MappedStore):
         """Mark slots left odd by dead writers as empty; returns how many were cleared.
 
         A slot is odd while its writer fills it, and that writer holds a lock on it
-        which the kernel drops when the writer dies: odd slots nobody locks are dead."""
+        which the kernel drops when the writer dies: odd slots nobody locks are dead.
+        Committed rows whose writer died before entering them in the priority tree
+        enter it now, at the maximum priority."""
         cleared = 0
         with self._locked():
             odd = np.flatnonzero(self.seq & 1)
@@ -239,6 +241,10 @@ class ReplayStorage(MappedStore):
                         cleared += 1
         if cleared:
             self._priorities.clear(np.flatnonzero(self.seq == 0))
+        tree = self._priorities
+        unentered = np.flatnonzero((self.seq > 0) & ((self.seq & 1) == 0) & (tree.levels[0][:self.capacity] == 0))
+        if unentered.size:
+            tree.update(unentered, np.full(unentered.size, tree.max_leaf))
         return cleared
 
     def next_incarnation(self) -> int:
