@@ -161,6 +161,7 @@ BAD_PUSHES = {
     "flipped payload byte": lambda: [_good()[0], _good()[1][:-5] + bytes([_good()[1][-5] ^ 0xFF]) + _good()[1][-4:]],
     "not lz4": lambda: [_good()[0], b"\x00" * 64],
     "manifest not JSON": lambda: [b"{nope", _good()[1]],
+    "manifest nested too deep": lambda: [b"[" * 30_000, _good()[1]],  # a RecursionError is not `internal`
     "manifest lies about size": lambda: _with_manifest(lambda m: m.update(raw_bytes=8)),
     "lz4 bomb": lambda: [_good()[0], lz4.frame.compress(b"\0" * (1 << 20), content_checksum=True)],
 }

@@ -59,3 +59,41 @@ def test_sigterm_stops_cleanly_and_removes_the_sockets(daemon_and_client):
     d, c = daemon_and_client
     assert d.stop(signal.SIGTERM, timeout=20) == 0
     assert not [p for p in d.runtime_dir.iterdir() if p.suffix == ".sock"]
+
+
+def test_a_command_in_flight_when_the_server_stops_still_gets_its_reply(tmp_path):
+    """A slow command still running when the control server stops (the daemon is draining its
+    workers, so its main loop takes no calls) is answered ``unavailable``: its reply used to be
+    queued after the control thread had gone (and replies sent just before were dropped with the
+    sockets), so the client waited out its whole timeout for nothing."""
+    import time
+
+    import zmq
+
+    from ingestd.control.protocol import decode_reply, encode_header
+    from ingestd.control.server import ControlServer
+    from ingestd.service.config import load_config
+    from ingestd.service.daemon import Daemon
+
+    config = load_config(overrides=[f'service.runtime_dir="{tmp_path / "run"}"',
+                                    f'service.data_dir="{tmp_path / "data"}"', "metrics.enabled=false"])
+    daemon = Daemon(config, None, (), {})  # not running: nothing takes the calls it is submitted
+    server = ControlServer(config)
+    server.start(daemon)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(daemon.paths.control)
+        sock.send(encode_header(1, "reload", {}))
+        time.sleep(0.3)  # the reload is waiting for the main loop
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < STOP_WITHIN_S
+        assert sock.poll(2000), "no reply to a command in flight at stop"
+        reply = decode_reply(sock.recv_multipart())
+        assert (reply.id, reply.code) == (1, "unavailable"), reply
+    finally:
+        sock.close(0)
+
+
+STOP_WITHIN_S = 3.0

@@ -339,3 +339,41 @@ def test_reply_cache_reuses_a_result_until_it_is_too_old_or_invalidated():
     assert json.loads(cache.get(build).text) == {"n": 4} and builds[-1] == 0.0101
     off = ReplyCache(0.0, clock=lambda: 1.0)  # 0: every request builds
     assert [json.loads(off.get(build).text)["n"] for _ in range(2)] == [5, 6]
+
+
+@pytest.mark.parametrize("address", ["foo", "tcp://*:5555", "ipc://relative.sock", "tcp://host", "inproc://x"])
+def test_a_malformed_address_is_refused_at_once_not_at_the_first_request(address):
+    """ZeroMQ would raise a bare 'Invalid argument' at the first request (and leak the socket)."""
+    from ingestd import ControlClient
+    from ingestd.control.client import EventStream
+
+    with pytest.raises(ValueError, match="not a daemon address.*ipc:///absolute/path"):
+        ControlClient(address)
+    with pytest.raises(ValueError, match="not a daemon address"):
+        EventStream(address)
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout": float("inf")}, {"timeout": float("nan")},
+                                    {"ack_timeout": float("inf")}, {"ack_timeout": float("nan")}])
+def test_non_finite_client_timeouts_are_refused(kwargs):
+    """inf made every request crash in poll (OverflowError); nan made it give up unsent."""
+    from ingestd import ControlClient
+
+    with pytest.raises(ValueError, match="finite"):
+        ControlClient("ipc:///dev/shm/ingestd-nobody.sock", **kwargs)
+
+
+@pytest.mark.parametrize("advertised, control, expected", [
+    ("tcp://*:5556", "tcp://10.0.0.5:5555", "tcp://10.0.0.5:5556"),
+    ("tcp://0.0.0.0:5556", "tcp://daemon.example:5555", "tcp://daemon.example:5556"),
+    ("tcp://[::]:5556", "tcp://[fd00::5]:5555", "tcp://[fd00::5]:5556"),
+    ("tcp://*:5556", "ipc:///run/ingestd/control.sock", "tcp://127.0.0.1:5556"),
+    ("tcp://10.1.1.1:5556", "tcp://10.0.0.5:5555", "tcp://10.1.1.1:5556"),
+    ("ipc:///run/ingestd/events.sock", "ipc:///run/ingestd/control.sock", "ipc:///run/ingestd/events.sock"),
+])
+def test_a_wildcard_events_bind_is_reached_at_the_control_host(advertised, control, expected):
+    """``ping`` reports the events address as bound; ``tcp://*:P`` cannot be connected to, and
+    ``0.0.0.0`` would reach the client's own host, not the daemon's."""
+    from ingestd.control.client import events_address
+
+    assert events_address(advertised, control) == expected

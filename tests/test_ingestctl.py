@@ -96,6 +96,22 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
     client.resume()  # the timed-out pause stays requested, as documented
 
 
+@pytest.mark.parametrize("argv", [
+    ["limiter", "--spi", "nan"], ["limiter", "--max-diff", "inf"], ["pause", "--wait", "inf"],
+    ["resume", "--wait", "nan"], ["scale", "2", "--wait", "0"], ["--timeout", "inf", "ping"],
+    ["--timeout", "nan", "status"], ["profile", "0", "--seconds", "inf"], ["events", "--duration", "inf"],
+    ["snapshot", "--wait", "nan"], ["--connect", "foo", "ping"], ["--connect", "tcp://*:5555", "status"],
+    ["events", "--events", "foo"],
+], ids=" ".join)
+def test_bad_numbers_and_addresses_are_usage_errors_not_tracebacks(argv, capsys):
+    """No daemon is needed: each is refused before anything is sent (nan and inf used to crash in
+    the JSON encoder or in poll, a malformed address in ZeroMQ's connect)."""
+    code = cli.main(["--json", *argv])
+    out, err = capsys.readouterr()
+    assert code == cli.EX_USAGE, err
+    assert json.loads(out)["error"]["code"] == "usage" and "Traceback" not in err
+
+
 SNAPSHOT_FIELDS = {"path", "capacity", "write_count", "rows", "skipped", "bytes", "seconds"}
 
 

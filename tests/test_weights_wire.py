@@ -121,6 +121,7 @@ BAD_CASES = [
     ("frame-not-bytes", lambda: [frames()[0], 42], "frame 1 is a int, not bytes"),
     ("bad-json", lambda: frames(b"{not json"), "not valid UTF-8 JSON"),
     ("not-utf8", lambda: frames(b"\xff\xfe{}"), "not valid UTF-8 JSON"),
+    ("nested-too-deep", lambda: frames(b"[" * 100_000), "not valid UTF-8 JSON"),  # RecursionError, not internal
     ("json-list", lambda: frames([1, 2]), "must be a JSON object"),
     ("wrong-version", lambda: frames(v=2), "version 2 is not supported"),
     ("wrong-codec", lambda: frames(codec="zstd"), "unsupported codec 'zstd'"),
@@ -170,6 +171,11 @@ BAD_CASES = [
 def test_decode_rejects(make, message):
     with pytest.raises(BadWeights, match=message):
         decode(make())
+
+
+def test_manifest_from_json_rejects_deep_nesting_as_bad_weights():
+    with pytest.raises(BadWeights, match="not valid UTF-8 JSON"):
+        Manifest.from_json(b"[" * 100_000)
 
 
 def test_good_frames_helper_is_valid():

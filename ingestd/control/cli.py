@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Output(args.json)
     try:
+        _check_numbers(args)
         if args.command == "keygen":
             return _keygen(args, out)
         client = _client(args)
@@ -162,11 +164,26 @@ class Output:
         return exit_code
 
 
+SECONDS_OPTIONS = ("timeout", "wait", "seconds", "duration")
+FINITE_OPTIONS = ("samples_per_insert", "min_diff", "max_diff")
+
+
+def _check_numbers(args) -> None:
+    """Refuse what ``float()`` lets through but no command can use: nan, inf, and seconds <= 0."""
+    for name in SECONDS_OPTIONS + FINITE_OPTIONS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        option = "--" + ("spi" if name == "samples_per_insert" else name.replace("_", "-"))
+        if name in SECONDS_OPTIONS and not 0 < value < math.inf:
+            raise UsageError(f"ingestctl: {option} must be a finite number of seconds > 0, got {value:g}")
+        if not math.isfinite(value):
+            raise UsageError(f"ingestctl: {option} must be a finite number, got {value:g}")
+
+
 def _client(args):
     from ingestd.control.client import ControlClient, CurveKeys
 
-    if args.timeout <= 0:
-        raise UsageError("ingestctl: --timeout must be > 0")
     keys = None
     if args.server_key or args.client_key:
         if not (args.server_key and args.client_key):
@@ -291,8 +308,6 @@ def _limiter(client, args, out: Output) -> int:
 
 
 def _snapshot(client, args, out: Output) -> int:
-    if args.wait is not None and not args.wait > 0:
-        raise UsageError("ingestctl: --wait must be > 0")
     s = client.snapshot(args.name, timeout=args.wait)
     return out.ok(s.to_json(), f"snapshot {s.path}: {s.rows} rows of {s.capacity} ({s.skipped} left out while being "
                                f"written; write_count {s.write_count}), {s.bytes / 1e6:.1f} MB in {s.seconds:.1f} s")
@@ -305,9 +320,15 @@ def _reload(client, args, out: Output) -> int:
 
 
 def _events(client, args, out: Output) -> int:
-    from ingestd.control.client import EventStream
+    from ingestd.control.client import EventStream, check_address, events_address
 
-    address = args.events or client.ping()["events_address"]
+    if args.events:
+        try:
+            address = check_address(args.events)
+        except ValueError as exc:
+            raise UsageError(f"ingestctl: --events: {exc}") from None
+    else:
+        address = events_address(client.ping()["events_address"], client.address)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     seen = 0
     with EventStream(address, tuple(args.topic) or ("",), curve_keys=client.curve_keys) as stream:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +50,39 @@ def default_address(environ: Mapping[str, str] | None = None) -> str:
     return default_control_address(os.environ if environ is None else environ)
 
 
+_ADDRESS_FORMS = "ipc:///absolute/path, ipc://@name or tcp://host:port"
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")  # a bind on every interface: not an address to connect to
+_TCP = re.compile(r"tcp://(?P<host>.+):(?P<port>\d+)")
+
+
+def check_address(address: str) -> str:
+    """``address``, stripped, if a client can connect to it (``_ADDRESS_FORMS``); ``ValueError``
+    otherwise, at once: ZeroMQ would only say "Invalid argument", at the first request."""
+    from ingestd.errors import ConfigError
+    from ingestd.service.config_schema import Address
+
+    try:
+        checked = Address("").check("address", address)
+    except ConfigError:
+        checked = ""
+    match = _TCP.fullmatch(checked)
+    if not checked or (match is not None and match["host"] in _WILDCARD_HOSTS):
+        raise ValueError(f"{address!r} is not a daemon address; expected {_ADDRESS_FORMS}")
+    return checked
+
+
+def events_address(advertised: str, control_address: str) -> str:
+    """Where to follow the events that ``ping`` says are at ``advertised``: a wildcard tcp bind
+    (``*``, ``0.0.0.0``, ``[::]``) is reached at the host of ``control_address`` (loopback if
+    that is an ipc socket)."""
+    match = _TCP.fullmatch(advertised)
+    if match is None or match["host"] not in _WILDCARD_HOSTS:
+        return advertised
+    control = _TCP.fullmatch(control_address)
+    host = control["host"] if control is not None else "127.0.0.1"
+    return f"tcp://{host}:{match['port']}"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """CURVE settings of a client: the daemon's public key and this client's secret key file."""
@@ -71,9 +106,9 @@ class ControlClient:
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *, retries: int = 2,
                  ack_timeout: float = DEFAULT_ACK_TIMEOUT_S, curve_keys: CurveKeys | None = None,
                  environ: Mapping[str, str] | None = None, context: zmq.Context | None = None):
-        if timeout <= 0 or ack_timeout <= 0 or retries < 0:
-            raise ValueError("timeout and ack_timeout must be > 0 and retries >= 0")
-        self.address = address or default_address(environ)
+        if not (0 < timeout < math.inf and 0 < ack_timeout < math.inf) or retries < 0:
+            raise ValueError("timeout and ack_timeout must be finite numbers of seconds > 0 and retries >= 0")
+        self.address = check_address(address) if address else default_address(environ)
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
         self.curve_keys = curve_keys
         self._context = context or zmq.Context.instance()
@@ -202,11 +237,15 @@ class ControlClient:
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
             sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            if self.curve_keys is not None:
-                self.curve_keys.apply(sock)
-            sock.connect(self.address)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+                if self.curve_keys is not None:
+                    self.curve_keys.apply(sock)  # KeyFileError if the key file went away
+                sock.connect(self.address)
+            except BaseException:
+                sock.close(linger=0)
+                raise
             self._socket, self._poller = sock, zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
         return self._socket
@@ -266,20 +305,25 @@ class EventStream:
 
     def __init__(self, address: str, topics: tuple[str, ...] = ("",), *, curve_keys: CurveKeys | None = None,
                  context: zmq.Context | None = None):
-        self.address = address
+        self.address = check_address(address)
         self._socket = (context or zmq.Context.instance()).socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        if curve_keys is not None:
-            curve_keys.apply(self._socket)
-        for topic in topics or ("",):
-            self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._socket.connect(address)
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            if curve_keys is not None:
+                curve_keys.apply(self._socket)
+            for topic in topics or ("",):
+                self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self._socket.connect(self.address)
+        except BaseException:
+            self._socket.close(linger=0)
+            raise
 
     @classmethod
     def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:
         """The event stream of the daemon ``client`` talks to (asks it for the address)."""
-        return cls(client.ping()["events_address"], topics, curve_keys=client.curve_keys)
+        return cls(events_address(client.ping()["events_address"], client.address), topics,
+                   curve_keys=client.curve_keys)
 
     def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after ``timeout`` seconds (None: wait for ever)."""

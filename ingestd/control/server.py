@@ -46,6 +46,7 @@ HOUSEKEEPING_S = 0.25  # frame-rate samples and weights.applied events
 RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbox again
 STATUS_MAX_AGE_S = 0.005  # a status result is reused this long at most (docs/protocol.md, "status")
 STOP_JOIN_S = 5.0
+STOP_LINGER_MS = 500  # at stop, how long the last replies may take to leave
 INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
 
 
@@ -178,6 +179,9 @@ class ControlServer:
         if self._thread.is_alive():
             log.warning("control thread did not stop within %.0f s", STOP_JOIN_S)
         self._pool.shutdown(wait=True, cancel_futures=True)  # waiters see ``stopping`` and return at once
+        if not self._thread.is_alive():  # the sockets are this thread's now
+            self._flush_outbox()  # the replies of the commands that finished meanwhile (a snapshot, ``unavailable``)
+            self._router.close(linger=STOP_LINGER_MS)  # let them leave (the context is destroyed with linger 0)
         self._thread = None
         wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
         for fd in (wake_r, wake_w):

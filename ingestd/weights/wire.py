@@ -166,7 +166,7 @@ class Manifest:
     def from_json(cls, text: str | bytes, max_bytes: int | None = DEFAULT_MAX_RAW_BYTES) -> Manifest:
         try:
             obj = json.loads(text)
-        except ValueError as exc:  # includes JSONDecodeError and UnicodeDecodeError
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; too deeply nested
             raise BadWeights(f"manifest is not valid UTF-8 JSON: {exc}") from None
         return cls.from_dict(obj, max_bytes)
 
@@ -301,7 +301,7 @@ def _as_buffer(index: int, frame: Any) -> memoryview:
 def _parse_header(head: memoryview) -> dict:
     try:
         header = json.loads(head.tobytes())
-    except ValueError as exc:  # includes JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; too deeply nested
         raise BadWeights(f"frame 0 is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
         raise BadWeights(f"frame 0 must be a JSON object, got {type(header).__name__}")
