@@ -216,6 +216,24 @@ def test_a_bad_batch_size_is_a_clear_error_and_the_reader_keeps_working(shm_dir,
             assert reader.sample(5, out=reader.empty_batch(size)).batch_size == (5,)
 
 
+def test_gather_refuses_float_slots(shm_dir):
+    path = filled(shm_dir / "r")
+    with ReplayReader(path, seed=0) as reader:
+        with pytest.raises(TypeError, match="integer slot numbers"):
+            reader.gather([1.7])  # was read as slot 1
+        assert reader.gather(torch.tensor([1, 2])).batch_size == (2,)
+        assert reader.gather([]).batch_size == (0,)
+
+
+def test_a_path_under_home_is_expanded(shm_dir, monkeypatch):
+    monkeypatch.setenv("HOME", str(shm_dir))
+    with ReplayStorage.create("~/r", rp.spec("cartpole"), 16) as store:
+        assert store.path == shm_dir / "r"
+        store.write(rp.template(store.schema, 4))
+    with ReplayReader("~/r") as reader, ReplayStorage.open_or_create("~/r", rp.spec("cartpole"), 16) as again:
+        assert len(reader) == 4 and again.write_count == 4
+
+
 def test_only_dead_slots_then_empty(shm_dir):
     path = filled(shm_dir / "r", capacity=16, rows=16)
     with ReplayStorage.open(path) as store:

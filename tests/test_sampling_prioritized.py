@@ -208,6 +208,17 @@ def test_update_for_an_overwritten_slot_is_ignored(shm_dir):
         assert r.update_priorities(fresh, torch.full((32,), 50.0)) == 32
 
 
+def test_updates_need_integer_slots_or_a_prioritized_sample(shm_dir):
+    with make(shm_dir / "r", capacity=64, n=64) as store, \
+            ReplayReader(store.path, seed=2, sampler="prioritized", alpha=1.0) as r:
+        with pytest.raises(TypeError, match="integer slot numbers"):
+            r.update_priorities([1.5, 2.0], [5.0, 5.0])  # would have updated slots 1 and 2
+        with pytest.raises(ValueError, match="write_index'\\) % capacity"):
+            r.update_priorities(r.gather([1, 2]), [5.0, 5.0])  # a batch without ("ingestd", "index")
+        assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)
+        assert r.update_priorities(np.array([1, 2]), [5.0, 5.0]) == 2
+
+
 def test_importance_weights(shm_dir):
     with make(shm_dir / "r", capacity=16, n=16) as store, \
             ReplayReader(store.path, seed=3, sampler="prioritized", alpha=1.0, beta=1.0) as r:

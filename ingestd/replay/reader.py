@@ -183,7 +183,7 @@ class ReplayReader(MappedStore):
         """Copy the rows at slots ``index``; slots that are not committed, or change during
         the copy, are replaced by uniform draws of committed rows."""
         self._check_open()
-        idx = np.array(index, dtype=np.int64).reshape(-1)
+        idx = slot_indices(index, "index")
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
             raise IndexError(f"slot indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
         records, columns, bad = self._copy(idx)
@@ -320,6 +320,18 @@ def rows_count(value, name: str) -> int:
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {n}")
     return n
+
+
+def slot_indices(value, name: str) -> np.ndarray:
+    """``value`` (a sequence, array or tensor of integers) as a flat int64 array of slot
+    numbers; floats are refused rather than truncated to another slot."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer slot numbers, got dtype {array.dtype}; "
+                        "pass the sample's ('ingestd', 'index') or an integer array")
+    return array.astype(np.int64).reshape(-1)
 
 
 def _plan_nodes(order: list) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:

@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 from ingestd.errors import EmptyReplay, SampleTimeout
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.reader import rows_count
+from ingestd.replay.reader import rows_count, slot_indices
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -157,9 +157,13 @@ class Sampling:
         if self.tree is None:
             raise RuntimeError("update_priorities needs ReplayReader(..., sampler='prioritized')")
         if isinstance(index, TensorDictBase):
+            if INDEX not in index.keys(include_nested=True):
+                raise ValueError("update_priorities takes a batch from sample() of this prioritized reader (it "
+                                 "carries ('ingestd', 'index')), or slot numbers; sequence samples carry none: "
+                                 "pass their ('ingestd', 'write_index') % capacity as slots")
             write_index = index.get(("ingestd", "write_index")) if write_index is None else write_index
             index = index.get(INDEX)
-        slots = _numpy(index).astype(np.int64).reshape(-1)
+        slots = slot_indices(index, "index")
         prio = np.abs(_numpy(priority).astype(np.float64).reshape(-1))
         if prio.size == 1 and slots.size > 1:
             prio = np.full(slots.size, prio[0])

@@ -57,7 +57,7 @@ class MappedStore:
     """Maps a storage directory: header, sequence numbers and one tensor per leaf."""
 
     def __init__(self, path: str | os.PathLike, writable: bool):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         meta = files.read_meta(self.path)
         self.capacity: int = meta["capacity"]
         self.schema: dict[Key, Leaf] = meta["schema"]
@@ -150,7 +150,7 @@ class ReplayStorage(MappedStore):
     @classmethod
     def create(cls, path: str | os.PathLike, example_or_spec, capacity: int) -> "ReplayStorage":
         """Create a new storage at ``path`` (which must not hold one already)."""
-        path = Path(path)
+        path = Path(path).expanduser()
         capacity = int(capacity)
         if capacity <= 0:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
@@ -194,11 +194,11 @@ class ReplayStorage(MappedStore):
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, example_or_spec, capacity: int,
                        recover: bool = True) -> "ReplayStorage":
-        if not (Path(path) / "meta.json").exists():
+        if not (Path(path).expanduser() / "meta.json").exists():
             try:
                 return cls.create(path, example_or_spec, capacity)
             except FileExistsError:
-                if not (Path(path) / "meta.json").exists():
+                if not (Path(path).expanduser() / "meta.json").exists():
                     raise
         return cls.open(path, example_or_spec, capacity, recover=recover)
 
