@@ -354,12 +354,14 @@ def test_a_malformed_address_is_refused_at_once_not_at_the_first_request(address
 
 
 @pytest.mark.parametrize("kwargs", [{"timeout": float("inf")}, {"timeout": float("nan")},
-                                    {"ack_timeout": float("inf")}, {"ack_timeout": float("nan")}])
-def test_non_finite_client_timeouts_are_refused(kwargs):
-    """inf made every request crash in poll (OverflowError); nan made it give up unsent."""
+                                    {"ack_timeout": float("inf")}, {"ack_timeout": float("nan")},
+                                    {"ack_timeout": 7200.0}, {"timeout": 0}, {"retries": -1}])
+def test_unusable_client_timeouts_are_refused(kwargs):
+    """inf made every request crash in poll (OverflowError); nan made it give up unsent; an
+    ack_timeout above the daemon's cap made every waiting command fail bad_request."""
     from ingestd import ControlClient
 
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match="ack_timeout one in \\(0, 3600\\]"):
         ControlClient("ipc:///dev/shm/ingestd-nobody.sock", **kwargs)
 
 

@@ -101,11 +101,12 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
     ["resume", "--wait", "nan"], ["scale", "2", "--wait", "0"], ["--timeout", "inf", "ping"],
     ["--timeout", "nan", "status"], ["profile", "0", "--seconds", "inf"], ["events", "--duration", "inf"],
     ["snapshot", "--wait", "nan"], ["--connect", "foo", "ping"], ["--connect", "tcp://*:5555", "status"],
-    ["events", "--events", "foo"],
+    ["events", "--events", "foo"], ["scale", "abc"], ["frobnicate"], ["pause", "--wait"],
 ], ids=" ".join)
 def test_bad_numbers_and_addresses_are_usage_errors_not_tracebacks(argv, capsys):
     """No daemon is needed: each is refused before anything is sent (nan and inf used to crash in
-    the JSON encoder or in poll, a malformed address in ZeroMQ's connect)."""
+    the JSON encoder or in poll, a malformed address in ZeroMQ's connect; argparse's own errors
+    printed no JSON)."""
     code = cli.main(["--json", *argv])
     out, err = capsys.readouterr()
     assert code == cli.EX_USAGE, err

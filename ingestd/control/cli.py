@@ -108,9 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-    except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return EX_USAGE
+    except UsageError as exc:  # --json promises one JSON document, even for a command line it cannot parse
+        return Output("--json" in (sys.argv[1:] if argv is None else argv)).error("usage", str(exc), EX_USAGE)
     from ingestd.errors import BadReply, BadWeights, CommandFailed, DaemonUnavailable
     from ingestd.control.curve import KeyFileError
     from ingestd.control.protocol import ErrorCode

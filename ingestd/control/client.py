@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 import zmq
 
 from ingestd.control import curve
+from ingestd.control.commands import MAX_WAIT_S
 from ingestd.control.commands import (
     SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
     Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
@@ -106,8 +107,10 @@ class ControlClient:
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *, retries: int = 2,
                  ack_timeout: float = DEFAULT_ACK_TIMEOUT_S, curve_keys: CurveKeys | None = None,
                  environ: Mapping[str, str] | None = None, context: zmq.Context | None = None):
-        if not (0 < timeout < math.inf and 0 < ack_timeout < math.inf) or retries < 0:
-            raise ValueError("timeout and ack_timeout must be finite numbers of seconds > 0 and retries >= 0")
+        if not (0 < timeout < math.inf and 0 < ack_timeout <= MAX_WAIT_S) or retries < 0:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, ack_timeout one in (0, {MAX_WAIT_S:g}] "
+                             f"(the daemon waits no longer), and retries >= 0; got timeout={timeout}, "
+                             f"ack_timeout={ack_timeout}, retries={retries}")
         self.address = check_address(address) if address else default_address(environ)
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
         self.curve_keys = curve_keys

@@ -52,7 +52,7 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
             frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"],
             last_return=recent[-1] if recent else None, restarts=rec["restarts"],
             weights_version=rec["weights_version"],
-            heartbeat_age_s=round(now - rec["heartbeat"], 4) if pid > 0 and state not in _NOT_LIVE else None,
+            heartbeat_age_s=round(max(0.0, now - rec["heartbeat"]), 4) if pid > 0 and state not in _NOT_LIVE else None,
             error=error, pause_reason=PauseReason(rec["pause_reason"]).label if state == State.PAUSED else "",
             recent_returns=recent))
     return out
