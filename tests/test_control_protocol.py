@@ -346,11 +346,14 @@ def test_a_malformed_address_is_refused_at_once_not_at_the_first_request(address
     """ZeroMQ would raise a bare 'Invalid argument' at the first request (and leak the socket)."""
     from ingestd import ControlClient
     from ingestd.control.client import EventStream
+    from ingestd.errors import ConfigError
 
     with pytest.raises(ValueError, match="not a daemon address.*ipc:///absolute/path"):
         ControlClient(address)
     with pytest.raises(ValueError, match="not a daemon address"):
         EventStream(address)
+    with pytest.raises((ValueError, ConfigError), match="INGESTD_CONTROL|not a daemon address"):
+        ControlClient(environ={"INGESTD_CONTROL": address})  # a wildcard passed the config's rule
 
 
 @pytest.mark.parametrize("kwargs", [{"timeout": float("inf")}, {"timeout": float("nan")},

@@ -111,7 +111,7 @@ class ControlClient:
             raise ValueError(f"timeout must be a finite number of seconds > 0, ack_timeout one in (0, {MAX_WAIT_S:g}] "
                              f"(the daemon waits no longer), and retries >= 0; got timeout={timeout}, "
                              f"ack_timeout={ack_timeout}, retries={retries}")
-        self.address = check_address(address) if address else default_address(environ)
+        self.address = check_address(address or default_address(environ))  # $INGESTD_CONTROL too
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
         self.curve_keys = curve_keys
         self._context = context or zmq.Context.instance()
