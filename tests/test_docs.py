@@ -64,8 +64,10 @@ def test_collector_features_says_where_status_shows_a_budget_pause():
                                "replay": {"path": "/r", "rows": 5120, "capacity": 10000, "write_count": 5120},
                                "workers": [worker], "config": {}})
     doc = " ".join((ROOT / "docs" / "collector-features.md").read_text().split())
-    if "budget" not in format_status(status):  # the text table shows the state, not why
-        assert "`ingestctl status` shows the reason" not in doc
+    assert "paused (budget)" in format_status(status)
+    assert "`ingestctl status` shows the state `paused (budget)`" in doc
+    worker["pause_reason"] = "requested"  # a pause command: the plain state
+    assert " paused " in format_status(Status.from_json({**status.to_json(), "workers": [worker]}))
 
 
 def test_example_does_not_say_status_lacks_the_recent_returns():

@@ -219,7 +219,8 @@ def format_status(s) -> str:
     rows = [("WORKER", "STATE", "PID", "FRAMES", "FRAMES/S", "EPISODES", "LAST RETURN", "RESTARTS", "WEIGHTS",
              "HEARTBEAT")]
     for w in s.workers:
-        rows.append((str(w.index), w.state, str(w.pid or "-"), str(w.frames), f"{w.frames_per_s:.0f}",
+        state = f"{w.state} ({w.pause_reason})" if w.pause_reason and w.pause_reason != "requested" else w.state
+        rows.append((str(w.index), state, str(w.pid or "-"), str(w.frames), f"{w.frames_per_s:.0f}",
                      str(w.episodes), "-" if w.last_return is None else f"{w.last_return:.2f}", str(w.restarts),
                      f"v{w.weights_version}", "-" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.2f}s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
