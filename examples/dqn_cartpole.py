@@ -43,7 +43,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -101,8 +100,6 @@ class TrainConfig:
     seed: int = option(0, "seed of the network init and of the sampling")
     log_every: float = option(5.0, "seconds between progress lines", metavar="S")
     check_every: float = option(0.5, "seconds between looks at the daemon's returns", metavar="S")
-    stats: str | None = option(None, "the daemon's workers.stats file (default: <runtime_dir>/workers.stats, "
-                                     "runtime_dir as the daemon reports it)", str, metavar="FILE")
 
 
 @dataclass
@@ -138,38 +135,13 @@ class TrainResult:
 
 # -- the daemon's episode returns ------------------------------------------------------------
 class DaemonReturns:
-    """The returns of the episodes the daemon's workers finished last (daemon state, not ours).
+    """The returns of the episodes the daemon's workers finished last (daemon state, not ours),
+    from ``Status.workers[i].recent_returns``: each worker's ring of recent returns."""
 
-    ``Status.workers[i].recent_returns`` holds each worker's ring of recent returns. For a
-    status without that field, the ring is read from the daemon's stats block file
-    (read-only, one copy per call)."""
-
-    def __init__(self, stats_path: str | os.PathLike | None = None):
-        self._stats_path = Path(stats_path) if stats_path else None
-
-    def _stats_file(self, status) -> Path:
-        if self._stats_path is None:
-            runtime = status.config.get("service", {}).get("runtime_dir") or ""
-            if not runtime:  # the daemon's default; assumes we share its environment
-                from ingestd.service.config import default_runtime_dir
-                runtime = str(default_runtime_dir(os.environ))
-            self._stats_path = Path(os.path.expanduser(runtime)) / "workers.stats"
-        return self._stats_path
-
-    def per_worker(self, status) -> dict[int, list[float]]:
+    @staticmethod
+    def per_worker(status) -> dict[int, list[float]]:
         """``{worker index: its recent returns, oldest first}``."""
-        if status.workers and all(hasattr(w, "recent_returns") for w in status.workers):
-            return {w.index: list(w.recent_returns) for w in status.workers}  # once status has them
-        from ingestd.collect.stats import RECORD, RING
-
-        records = np.fromfile(self._stats_file(status), dtype=RECORD)
-        out = {}
-        for w in status.workers:
-            rec = records[w.index]
-            count = int(rec["returns_count"])
-            take = min(count, RING)
-            out[w.index] = [float(rec["returns"][(count - take + k) % RING]) for k in range(take)]
-        return out
+        return {w.index: list(w.recent_returns) for w in status.workers}
 
     def recent_mean(self, status, last: int = 20) -> float | None:
         """Mean of the last ``last`` finished episodes, taken as the newest ``ceil(last / workers)``
@@ -332,7 +304,7 @@ class Trainer:
         self.qnet = mlp_qnet(obs_dim, cfg.num_actions, hidden)
         self.learner = learner(self.qnet, cfg)
         self.sampler = FreshSampler(reader)
-        self.returns = DaemonReturns(cfg.stats)
+        self.returns = DaemonReturns()
         self.result = TrainResult(first_version=status.weights_version, final_version=status.weights_version)
         self.version = status.weights_version  # the newest weights the workers collect with
         self.result.timing.update(sample=0.0, learn=0.0, push=0.0, watch=0.0)
