@@ -187,6 +187,24 @@ def test_per_second_series_are_not_shown_as_percent_or_time(dash):
             assert series_unit(panel, ref) not in NOT_A_RATE, (panel["title"], ref, series_unit(panel, ref))
 
 
+def test_rate_limiter_panels_sit_in_the_sampling_row(dash):
+    row, rows = None, {}
+    for panel in dash["panels"]:  # a panel belongs to the row panel before it
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif panel["title"].startswith("Rate limiter"):
+            rows[panel["title"]] = row
+    assert len(rows) == 4 and set(rows.values()) == {"Sampling and rate limiter"}, rows
+
+
+def test_an_on_off_series_has_its_own_axis(dash):
+    """The limiter's 0/1 "enabled" line would be flat at the bottom of an error axis in the millions."""
+    for panel, ref, expr in panel_exprs(dash):
+        if "ingestd_limiter_enabled" in expr and len(panel["targets"]) > 1:
+            override = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == ref)
+            assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"], panel["title"]
+
+
 def test_exprs_use_only_known_variables(dash):
     for panel, ref, expr in panel_exprs(dash):
         substitute(expr)  # raises on an unknown variable
