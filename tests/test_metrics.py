@@ -140,6 +140,31 @@ def test_episode_return_histogram_reads_the_ring_since_the_last_scrape(block):
     assert value(found, "ingestd_worker_episode_return_mean", worker="1") == 2  # NaN left out
 
 
+def test_overlapping_scrapes_count_each_episode_once(block):
+    """Two scrapes overlap (an HA pair of Prometheus servers, a curl): the one with the older snapshot
+    of the ring feeds the histogram last. It must not count those episodes again, nor as dropped."""
+    block[0]["state"] = State.RUNNING
+    _finish(block, 0, [1.0] * 100)
+    _, _, collector = scrape(block)  # RING observed, 100 - RING dropped
+    snapshot, overlapped = collector._snapshot, []
+
+    def snapshot_then_overlap():
+        taken = snapshot()
+        if not overlapped:
+            overlapped.append(True)
+            _finish(block, 0, [2.0] * 10)
+            scrape(block, collector=collector)  # the second scrape snapshots and feeds count 110 first
+        return taken
+
+    collector._snapshot = snapshot_then_overlap
+    scrape(block, collector=collector)  # the first scrape feeds its older snapshot (count 100) last
+    collector._snapshot = snapshot
+    found, _, _ = scrape(block, collector=collector)
+    assert value(found, "ingestd_episode_returns_dropped_total") == 100 - RING
+    assert value(found, "ingestd_episode_return_bucket", le="+Inf") == RING + 10
+    assert value(found, "ingestd_episode_return_bucket", le="1.0") == RING
+
+
 def test_worker_up_needs_a_live_child_in_a_live_state(block):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -204,7 +229,8 @@ def test_a_broken_source_blanks_only_its_section(block):
 # -- the HTTP exporter --------------------------------------------------------------------------
 def fake_daemon(block, config):
     layout = SimpleNamespace(stats=block, storage=Box(write_count=5, capacity=10), weights=None)
-    return SimpleNamespace(layout=layout, telemetry=Telemetry(), started_at=time.time(), config=config)
+    return SimpleNamespace(layout=layout, telemetry=Telemetry(), started_at=time.time(), config=config,
+                           supervisor=SimpleNamespace(count=config.workers.count))
 
 
 def test_default_address_is_loopback_on_a_fixed_port():
@@ -420,3 +446,25 @@ def test_killed_worker_counts_a_restart(live):
         return len(grew) == 1 and list(grew.values()) == [1] and set(up.values()) == {1}, (grew, up)
 
     poll(restarted, 30, "one worker's restarts_total to grow by 1 and every worker to be up again")
+
+
+def test_scale_moves_workers_desired_and_drops_the_removed_worker(live):
+    """``ingestd_workers_desired`` follows a ``scale`` command (docs/metrics.md), and a worker scaled
+    away leaves no series behind."""
+    from ingestd.control.client import ControlClient
+
+    with ControlClient(live.daemon.control_address, timeout=30) as client:
+        try:
+            client.scale(1, wait=True)
+
+            def scaled_down():
+                found = samples(fetch(live))
+                return (value(found, "ingestd_workers_desired") == 1
+                        and set(by_worker(found, "ingestd_worker_up")) == {"0"}), found
+
+            poll(scaled_down, 20, "workers_desired to be 1 and worker 1 to be gone")
+        finally:
+            client.scale(2, wait=True)
+    found = poll(lambda: (lambda f: (by_worker(f, "ingestd_worker_up") == {"0": 1, "1": 1}, f))(
+        samples(fetch(live))), 30, "both workers to be up again")
+    assert value(found, "ingestd_workers_desired") == 2

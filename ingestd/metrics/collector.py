@@ -108,8 +108,8 @@ class ReturnHistogram:
         """Observe the returns finished since this worker's last ``count`` (the ring holds the last RING)."""
         with self._lock:
             seen = self._cursor.get(worker, 0)
-            if count < seen:  # the record was recreated: start over
-                seen = 0
+            if count <= seen:  # nothing new, or an overlapping scrape already fed a newer snapshot
+                return  # (returns_count never goes back: StatsBlock.reset keeps it)
             fresh = count - seen
             take = min(fresh, len(ring))
             self.dropped += fresh - take

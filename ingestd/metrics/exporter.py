@@ -22,8 +22,9 @@ def collector_for(daemon) -> IngestdCollector:
     from ingestd.control.commands import COMMANDS
 
     layout = daemon.layout
+    # the supervisor's count follows scale commands too; config.workers.count only follows reloads
     return IngestdCollector(layout.stats, layout.storage, layout.weights, daemon.telemetry, daemon.started_at,
-                            desired_workers=lambda: daemon.config.workers.count, commands=sorted(COMMANDS))
+                            desired_workers=lambda: daemon.supervisor.count, commands=sorted(COMMANDS))
 
 
 class MetricsExporter:
