@@ -55,3 +55,13 @@ def wrong_shape(ctx, **kw):
 
 def nan_reward(ctx, **kw):
     return NaNReward(ctx, **kw)
+
+
+def slow_start(ctx, seconds: float = 2.0):
+    """A Checksum env whose workers take ``seconds`` to build it (a simulator loading its assets);
+    the daemon's one-sub-env schema probe builds it at once."""
+    import time
+
+    if ctx.num_envs > 1:
+        time.sleep(seconds)
+    return make_env("Checksum", ctx, {})

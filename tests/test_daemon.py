@@ -187,6 +187,20 @@ def test_crash_looping_worker_is_marked_failed_others_continue():
         assert "simulated env failure" in d.log()
 
 
+def test_env_slower_to_build_than_the_heartbeat_timeout_is_not_taken_for_a_hang():
+    overrides = {"workers.env": "faulty_envs:slow_start", "workers.env_kwargs": {"seconds": 2.5},
+                 "workers.policy": "Random", "workers.count": 1, "workers.heartbeat_timeout_s": 1.0}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        d.wait_ready(rows=100)
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            assert int(stats[0]["restarts"]) == 0 and stats.error(0) == ""
+        finally:
+            stats.close()
+        assert d.stop() == 0
+        assert "worker.hung" not in d.log()
+
+
 BAD_CONFIGS = [
     ("workers.count=-1", "workers.count"),
     ("workers.count=\"two\"", "workers.count"),
@@ -224,6 +238,16 @@ def test_config_default_and_check(tmp_path):
     assert res.returncode == 78 and "workers.count" in res.stderr
 
 
+@pytest.mark.parametrize("line,key", [('env = "no_such_package.envs:make"', "workers.env"),
+                                      ("policy_kwargs = { bogus = 1 }", "workers.policy_kwargs")])
+def test_config_check_refuses_what_run_would_refuse(line, key, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f"[workers]\n{line}\n")
+    res = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 78 and key in res.stderr, res.stderr
+
+
 def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
     with DaemonProc(overrides={"workers.count": 1}) as first:
         first.wait_ready(rows=100)
@@ -234,3 +258,58 @@ def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
             count = reader.write_count
             wait_for(lambda: reader.write_count > count, 10, "the first daemon to keep writing")
         assert first.stop() == 0
+
+
+STARTUP_CONFIG_ERRORS = [  # wrong only once the daemon resolves paths or the factories
+    ("service.runtime_dir", "{tmp}/" + "r" * 110, "control.address"),
+    ("workers.env", "no_such_package.envs:make", "workers.env"),
+    ("workers.env_kwargs.bogus", "1", "workers.env_kwargs"),
+    ("workers.policy", "no_such_package.policies:make", "workers.policy"),
+    ("workers.policy_kwargs.bogus", "1", "workers.policy_kwargs"),
+]
+
+
+@pytest.mark.parametrize("key,value,named", STARTUP_CONFIG_ERRORS)
+def test_config_errors_found_at_startup_exit_78_naming_the_key(key, value, named, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run",
+                           "--set", f'service.data_dir="{tmp_path}"', "--set", f'service.runtime_dir="{tmp_path}/run"',
+                           "--set", "metrics.enabled=false", "--set", f"{key}={value.format(tmp=tmp_path)}"],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 78, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "replay").exists(), "nothing may be created before the config is valid"
+
+
+@pytest.mark.parametrize("key", ["service.data_dir", "service.runtime_dir", "replay.path"])
+def test_directory_that_cannot_be_created_exits_78_naming_the_key(key, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    settings = {"service.data_dir": tmp_path / "data", "service.runtime_dir": tmp_path / "run",
+                key: blocker / "dir"}
+    args = [arg for k, v in settings.items() for arg in ("--set", f'{k}="{v}"')]
+    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run", *args, "--set", "metrics.enabled=false"],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 78, proc.stderr
+    assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sighup_with_a_bad_config_keeps_the_daemon_and_its_config():
+    """As the reload command: a config that does not check fails the reload, the daemon keeps
+    running on the config it has (and says READY=1 again)."""
+    with DaemonProc(overrides={"workers.count": 1}, notify=True) as d:
+        d.wait_ready(rows=100)
+        d.wait_notify("READY=1")
+        d.config_path.write_text("[workers]\nrestart_budget = 0\n")
+        seen = len(d.messages)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload failed" in d.log(), 10, "the failed reload in the log")
+        time.sleep(1.0)
+        assert d.proc.poll() is None, d.log()
+        d.recv_notify(0.3)
+        sent = [m.split("\n")[0] for m in d.messages[seen:] if "STATUS=" not in m.split("\n")[0]]
+        assert sent[:2] == ["RELOADING=1", "READY=1"], d.messages[seen:]
+        with ReplayReader(d.replay_path) as reader:
+            count = reader.write_count
+            wait_for(lambda: reader.write_count > count, 10, "the daemon to keep collecting")
+        assert d.stop() == 0
+        assert "workers.restart_budget" in d.log()

@@ -84,3 +84,35 @@ def test_a_beating_worker_is_left_alone(sleepers):
     supervisor.tick()
     procs[1].join(5)
     assert procs[0].is_alive() and not procs[1].is_alive()
+
+
+def test_scaled_down_then_up_before_it_stopped_is_restarted_not_counted_as_a_death(sleepers):
+    """scale(1) asks worker 1 to stop; scale(2) before it has exited keeps the slot. The worker
+    still stops (it may have seen the request already): that exit is the scale's doing, so it
+    is started again at once, without a death, a failure or a backoff."""
+    supervisor, stats, procs, now = sleepers
+    events, started = [], []
+    supervisor._on_event = lambda kind, **fields: events.append(kind)
+    supervisor._start = lambda index, slot: started.append(index)
+    stats[0]["heartbeat"] = stats[1]["heartbeat"] = now[0]
+    supervisor.scale(1)
+    supervisor.scale(2)
+    assert supervisor.count == 2
+    procs[1].stop()  # the worker obeys the stop it was sent
+    supervisor.tick()
+    assert "worker.died" not in events and supervisor.slots[1].failures == 0
+    assert started == [1]
+
+
+def test_scaled_down_then_up_while_waiting_to_restart_is_still_restarted(sleepers):
+    supervisor, stats, procs, now = sleepers
+    started = []
+    supervisor._start = lambda index, slot: started.append(index)
+    stats[0]["heartbeat"] = now[0] + 1.0
+    procs[1].stop()
+    supervisor.slots[1].process, supervisor.slots[1].start_at = None, now[0] + 1.0  # dead, in its backoff
+    supervisor.scale(1)
+    supervisor.scale(2)
+    now[0] += 1.0
+    supervisor.tick()
+    assert started == [1] and 1 in supervisor.slots

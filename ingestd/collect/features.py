@@ -15,8 +15,10 @@ options (see docs/collector-features.md):
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -187,24 +189,33 @@ class KeepaliveFirstCall:
     def __call__(self, td):
         if not self._first or self.beat is None:
             return self.fn(td)
-        import threading
-
-        done = threading.Event()
-
-        def keepalive() -> None:
-            while not done.wait(self.every_s):
-                self.beat()
-
-        thread = threading.Thread(target=keepalive, name="ingestd-compile-keepalive", daemon=True)
-        thread.start()
         t0 = time.perf_counter()
         try:
-            return self.fn(td)
+            with keepalive(self.beat, self.every_s):
+                return self.fn(td)
         finally:
-            done.set()
-            thread.join()
             self._first = False
             log.info("compiled the policy in %.1f s", time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def keepalive(beat, every_s: float = 0.5):
+    """A thread calls ``beat()`` every ``every_s`` seconds while the block runs: for the slow,
+    one-off steps of a worker (building its env, compiling its policy) that must not be taken
+    for a hang."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=run, name="ingestd-keepalive", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # -- the worker's view -------------------------------------------------------------------------

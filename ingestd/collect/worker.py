@@ -104,7 +104,7 @@ class Worker:
     def run(self) -> None:
         import torch
 
-        from ingestd.collect.features import ChunkExtras, component_seeds
+        from ingestd.collect.features import ChunkExtras, component_seeds, keepalive
         from ingestd.collect.rollout import Rollout
         from ingestd.replay.storage import ReplayStorage
 
@@ -124,7 +124,8 @@ class Worker:
         torch.manual_seed(seeds.torch)
         np.random.seed(seeds.numpy)
         log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
-        env, policy = build_env_and_policy(spec, seed, incarnation << 32)
+        with keepalive(self._beat):  # building an env can take longer than the heartbeat timeout
+            env, policy = build_env_and_policy(spec, seed, incarnation << 32)
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
         self.extras = ChunkExtras(spec, env, policy, seeds, rec)

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
-            cfg.load_config(args.file, args.overrides)
+            from ingestd.service.layout import check_factories
+
+            check_factories(cfg.load_config(args.file, args.overrides).workers)  # as `run` does first
             print(f"{args.file}: ok")
             return 0
         config = cfg.load_config(args.config, args.overrides)
@@ -82,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     from ingestd.service.daemon import Daemon
     from ingestd.service.services import default_services
 
-    daemon = Daemon(config, args.config, tuple(args.overrides), dict(os.environ))
-    daemon.services.extend(default_services(config))
     try:
+        daemon = Daemon(config, args.config, tuple(args.overrides), dict(os.environ))  # resolves the paths
+        daemon.services.extend(default_services(config))
         return daemon.run()
     except (ConfigError, SchemaMismatch, StorageFull) as exc:
         logging.getLogger("ingestd").error("cannot start: %s", exc)

@@ -14,8 +14,8 @@ from typing import Callable, Mapping
 import torch
 
 from ingestd.collect.stats import Desired, State
-from ingestd.errors import DaemonAlreadyRunning
-from ingestd.service.layout import Layout, build_layout
+from ingestd.errors import ConfigError, DaemonAlreadyRunning
+from ingestd.service.layout import Layout, build_layout, make_dir
 from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.supervisor import RestartPolicy, Supervisor
 from ingestd.service.telemetry import Telemetry
@@ -100,7 +100,10 @@ class Daemon:
             self._run_calls()
             if self._reload_requested:
                 self._reload_requested = False
-                self.reload()
+                try:
+                    self.reload()
+                except ConfigError:
+                    pass  # logged by reload(); the running config stays, as after a failed reload command
             if not ready and self._first_data(start_count):
                 ready = True
                 self.notifier.ready(self.status_line())
@@ -209,7 +212,7 @@ def lock_runtime_dir(runtime_dir) -> int:
     import fcntl
     from pathlib import Path
 
-    Path(runtime_dir).mkdir(parents=True, exist_ok=True, mode=0o750)
+    make_dir(runtime_dir, "service.runtime_dir")
     fd = os.open(Path(runtime_dir) / "ingestd.lock", os.O_RDWR | os.O_CREAT, 0o640)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

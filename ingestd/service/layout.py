@@ -14,6 +14,7 @@ from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env_and_policy
+from ingestd.errors import ConfigError
 from ingestd.replay.storage import ReplayStorage
 
 log = logging.getLogger("ingestd.daemon")
@@ -62,8 +63,10 @@ def worker_threads(configured: int, workers: int, cores: int | None = None) -> i
 
 def build_layout(config, paths) -> Layout:
     """Create (or reopen) every shared object before any worker exists."""
-    for directory in (paths.data_dir, paths.runtime_dir):
-        Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
+    check_factories(config.workers)
+    for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
+                           ("replay.path", Path(paths.replay).parent)):
+        make_dir(directory, key)
     check_device(config.workers.device)
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
     example, policy = _example_rows(probe, config.service.seed)
@@ -88,6 +91,34 @@ def build_layout(config, paths) -> Layout:
     limiter = Limiter.attach(paths.replay, inserts=lambda: storage.write_count)
     limiter.configure(params_of(config.limiter))
     return Layout(config, paths, storage, stats, weights, manifest, policy, limiter)
+
+
+def make_dir(directory, key: str) -> None:
+    """Create ``directory`` and its parents; one that cannot be created is a config error naming
+    ``key`` (no restart fixes a path under a file, a read-only or a forbidden place)."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot create the directory {directory}: {exc.strerror or exc}") from None
+
+
+def check_factories(workers) -> None:
+    """The env and policy import paths resolve and their kwargs bind, else a config error naming
+    the key: found before anything is created, instead of in every worker that starts."""
+    from ingestd.collect.features import seeded_policy_kwargs
+    from ingestd.collect.registry import resolve_env, resolve_policy, validate_kwargs
+
+    key = "workers.env"
+    try:
+        env = resolve_env(workers.env)
+        key = "workers.env_kwargs"
+        validate_kwargs(env, workers.env_kwargs)
+        key = "workers.policy"
+        policy = resolve_policy(workers.policy)
+        key = "workers.policy_kwargs"
+        validate_kwargs(policy, seeded_policy_kwargs(policy, workers.policy_kwargs, 0))  # + the worker's seed
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 def _previous_weights(path, manifest, initial: dict) -> tuple[int, dict]:

@@ -65,8 +65,12 @@ class Supervisor:
                 self.slots[index] = Slot(self._make_spec(index), start_at=self._clock())
                 self.stats[index]["restarts"] = 0
                 self.stats[index]["desired"] = self.desired
-            elif slot.retiring:
+            elif slot.retiring:  # asked to stop but not gone yet: keep it, running
                 slot.retiring = False
+                if slot.process is not None:
+                    slot.restarting = True  # it may have seen the stop already: start it again once it exits
+                elif self.stats.state(index) != State.FAILED:
+                    slot.start_at = self._clock()  # the scale down cancelled its pending restart
         for index, slot in self.slots.items():
             if index >= count and not slot.retiring:
                 slot.retiring = True
