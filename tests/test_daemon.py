@@ -313,3 +313,51 @@ def test_sighup_with_a_bad_config_keeps_the_daemon_and_its_config():
             wait_for(lambda: reader.write_count > count, 10, "the daemon to keep collecting")
         assert d.stop() == 0
         assert "workers.restart_budget" in d.log()
+
+
+def test_a_restarted_daemon_keeps_its_weight_store_and_versions_stay_monotonic():
+    """The restarted daemon publishes into the same weights file (a trainer's weights_path= mapping
+    follows it); with the file gone, new weights are numbered past every version in the replay."""
+    import shutil
+    import tempfile
+
+    from ingestd import ControlClient
+    from ingestd.weights import WeightStore
+
+    root = Path(tempfile.mkdtemp(prefix="ingestd-w-", dir="/dev/shm"))
+    dirs = {"service.data_dir": str(root / "data"), "service.runtime_dir": str(root / "run"),
+            "replay.path": str(root / "data" / "replay"), "workers.count": 1}
+    weights_path, address = root / "run" / "weights", f"ipc://{root}/run/control.sock"
+    trainer = None
+    try:
+        with DaemonProc(overrides=dirs) as d:
+            d.wait_ready(rows=1)
+            with WeightStore.attach(weights_path) as store:
+                first, state = store.read()
+            with ControlClient(address) as ctl:
+                pushed = ctl.push_weights(state, wait=True)
+            assert pushed == first + 1
+            assert d.stop() == 0
+        trainer = WeightStore.attach(weights_path)  # mapped across the restart
+        with DaemonProc(overrides=dirs) as d:
+            d.wait_ready(rows=1)
+            assert trainer.version == pushed
+            with ControlClient(address) as ctl:
+                again = ctl.push_weights(state, wait=True)
+            assert again == pushed + 1 and trainer.version == again
+            assert weights_path.stat().st_mode & 0o777 == 0o640
+            with ReplayReader(d.replay_path) as reader:  # rows of the new version land in the replay
+                wait_for(lambda: int(reader.gather(np.arange(len(reader)))["ingestd", "policy_version"].max())
+                         == again, 20, f"rows of version {again}")
+            assert d.stop() == 0
+        weights_path.unlink()  # the runtime dir lost (a reboot) while the replay stayed
+        with DaemonProc(overrides=dirs) as d:
+            wait_for(weights_path.exists, 60, "the new daemon's weight store")
+            with WeightStore.attach(weights_path) as store:
+                wait_for(lambda: store.version > 0, 10, "the first weights")
+                assert store.version == again + 1, "a fresh policy must not reuse a version in the replay"
+            assert d.stop() == 0
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -148,7 +148,7 @@ def test_key_socket_and_state_file_modes(curve_daemon, daemon):
         mode = stat.S_IMODE(os.stat(daemon.runtime_dir / name).st_mode)
         assert mode & 0o660 == mode, (name, oct(mode))
         checked[name] = oct(mode)
-    for name, most in (("weights", 0o600), ("workers.stats", 0o640)):
+    for name, most in (("weights", 0o640), ("workers.stats", 0o640)):  # group: trainers may read
         mode = stat.S_IMODE(os.stat(daemon.runtime_dir / name).st_mode)
         assert mode & most == mode, (name, oct(mode))
         checked[name] = oct(mode)

@@ -143,6 +143,29 @@ def test_create_replaces_an_old_store_atomically(tmp_path, state):
     assert [p.name for p in tmp_path.iterdir()] == ["w"]
 
 
+def test_reopen_goes_on_publishing_into_the_same_file(tmp_path, state):
+    """A restarted daemon reopens the store: readers mapped before the restart see its versions."""
+    from ingestd.weights.store import H_BUFVER, H_SEQ
+
+    with WeightStore.create(tmp_path / "w", manifest_of(state)) as first:
+        first.publish(state)
+        first._header[H_SEQ[1]] += 1  # the writer died filling buffer 1
+        first._header[H_BUFVER[1]] = 9
+    with WeightStore.attach(tmp_path / "w") as reader:
+        with WeightStore.reopen(tmp_path / "w", manifest_of(state)) as again:
+            assert again.writable and again.version == 1
+            assert int(again._header[H_SEQ[1]]) % 2 == 0 and int(again._header[H_BUFVER[1]]) == 0
+            changed = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+            assert again.publish(changed) == 2
+        version, got = reader.read()
+        assert version == 2 and torch.equal(got["w"], state["w"] + 1)
+    assert WeightStore.reopen(tmp_path / "w", manifest_of({"x": torch.ones(2)})) is None  # another shape
+    assert WeightStore.reopen(tmp_path / "nothing", manifest_of(state)) is None
+    (tmp_path / "junk").write_bytes(b"x" * 10_000)
+    with pytest.raises(CorruptStorage):
+        WeightStore.reopen(tmp_path / "junk", manifest_of(state))
+
+
 def test_reader_retries_when_its_buffer_is_overwritten_during_the_copy(writer, state):
     """Deterministic interleaving: two publishes land while the reader copies buffer 1."""
     writer.publish(state)

@@ -14,10 +14,12 @@ from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env_and_policy
-from ingestd.errors import ConfigError
+from ingestd.errors import ConfigError, CorruptStorage
 from ingestd.replay.storage import ReplayStorage
 
 log = logging.getLogger("ingestd.daemon")
+WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
+POLICY_VERSION = ("ingestd", "policy_version")
 
 
 @dataclass
@@ -79,9 +81,7 @@ def build_layout(config, paths) -> Layout:
 
         state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         manifest = manifest_of(state)
-        version, state = _previous_weights(paths.weights, manifest, state)
-        weights = WeightStore.create(paths.weights, manifest)
-        weights.publish(state, version=version)
+        weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage))
     else:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
@@ -121,22 +121,42 @@ def check_factories(workers) -> None:
         raise ConfigError(key, str(exc)) from None
 
 
-def _previous_weights(path, manifest, initial: dict) -> tuple[int, dict]:
-    """The weights to start from: the last published ones if a store of the same shape
-    survived (a daemon restart keeps versions monotonic), else ``initial`` as version 1."""
+def _weight_store(path, manifest, initial: dict, stored: int):
+    """The daemon's weight store, versions kept monotonic across daemon restarts.
+
+    The previous daemon's store, if it holds the same policy shape, is reopened in place: its
+    last weights stay current, and readers that mapped the file keep following it. Otherwise
+    a new store starts from ``initial``, numbered past ``stored`` (the newest version in the
+    replay), so a version never names two different sets of weights."""
     from ingestd.weights.store import WeightStore
 
-    if not Path(path).exists():
-        return 1, initial
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a previous daemon killed while creating one
+        stale.unlink(missing_ok=True)
+    weights = None
     try:
-        with WeightStore.attach(path) as old:
-            if old.manifest == manifest and old.version > 0:
-                version, state = old.read()
-                log.info("resuming from weights version %d left by the previous daemon", version)
-                return version, state
-    except Exception as exc:  # unreadable or different: start over, but say so
-        log.warning("ignoring the previous weight store at %s: %s", path, exc)
-    return 1, initial
+        weights = WeightStore.reopen(path, manifest)
+        if weights is None and path.exists():
+            log.warning("the weight store at %s holds another policy shape: starting a new one", path)
+    except CorruptStorage as exc:  # unreadable: start over, but say so
+        log.warning("replacing the unreadable weight store at %s: %s", path, exc)
+    if weights is not None and weights.version > 0:
+        os.chmod(path, WEIGHTS_MODE)  # a store made by an older daemon was 0600
+        log.info("resuming from weights version %d left by the previous daemon", weights.version)
+        if weights.version < stored:  # this replay holds rows of later versions (another store's)
+            weights.publish(weights.read()[1], version=stored + 1)
+        return weights
+    if weights is not None:  # made, but its creator died before publishing
+        weights.close()
+    weights = WeightStore.create(path, manifest, mode=WEIGHTS_MODE)
+    weights.publish(initial, version=max(1, stored + 1))
+    return weights
+
+
+def _newest_stored_version(storage: ReplayStorage) -> int:
+    """The largest ``policy_version`` among the replay's rows (0 if none)."""
+    written = min(storage.write_count, storage.capacity)
+    return max(0, int(storage.leaves[POLICY_VERSION][:written].max())) if written else 0
 
 
 def _example_rows(spec: WorkerSpec, seed: int):

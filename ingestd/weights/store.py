@@ -13,7 +13,8 @@ being written), records the buffer's version, then flips ``active`` and
 copy only if the buffer's sequence number was even and unchanged across the
 copy; otherwise it retries, so it never returns a torn state dict. ``version`` is
 a single int64 load, cheap enough to poll every chunk. Version 0 means nothing
-has been published; versions live as long as the file (``create`` starts at 0).
+has been published; versions live as long as the file (``create`` starts at 0;
+``reopen`` lets a restarted daemon go on publishing into the same file).
 
 Memory ordering: this relies on x86-64 TSO (stores are seen in program order,
 loads are not reordered with older loads) and on aligned 8-byte loads and stores
@@ -115,19 +116,44 @@ class WeightStore:
     @classmethod
     def attach(cls, path: str | os.PathLike) -> WeightStore:
         """Map an existing store read-only (from any process) and return a reader."""
-        path = Path(path)
+        return cls._map(Path(path), writable=False)
+
+    @classmethod
+    def reopen(cls, path: str | os.PathLike, manifest: Manifest) -> WeightStore | None:
+        """The existing store at ``path`` as its writer again, if it holds ``manifest``; else None.
+
+        A restarted daemon publishes into the same file, so readers that mapped it (workers, a
+        trainer's ``weights_path=``) keep seeing new versions. A buffer its previous writer
+        died filling is marked empty (readers skip it; the other buffer is whole)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            store = cls._map(Path(path), writable=True)
+        except StorageNotFound:
+            return None
+        if store.manifest != manifest:
+            store.close()
+            return None
+        header = store._header
+        for target in (0, 1):
+            if int(header[H_SEQ[target]]) % 2:
+                header[H_BUFVER[target]] = 0
+                header[H_SEQ[target]] += 1
+        return store
+
+    @classmethod
+    def _map(cls, path: Path, writable: bool) -> WeightStore:
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         except FileNotFoundError:
             raise StorageNotFound(f"no weight store at {str(path)!r}; has the daemon started?") from None
         try:
             size = os.fstat(fd).st_size
             if size < 2 * PAGE:
                 raise CorruptStorage(f"{path} has only {size} bytes; it is not a weight store")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
-        return cls(path, mm, writable=False)
+        return cls(path, mm, writable=writable)
 
     # -- writer -------------------------------------------------------------------
     def publish(self, state: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
