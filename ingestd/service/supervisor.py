@@ -99,12 +99,12 @@ class Supervisor:
                 self.stats[index]["desired"] = desired
 
     @property
-    def count(self) -> int:
-        return sum(1 for s in self.slots.values() if not s.retiring)
+    def count(self) -> int:  # also read by the control and metrics threads: iterate over a copy
+        return sum(1 for s in list(self.slots.values()) if not s.retiring)
 
     def live(self) -> list[int]:
         """Workers whose process is alive and not on its way out."""
-        return [i for i, s in self.slots.items() if self._alive(s) and not s.retiring]
+        return [i for i, s in list(self.slots.items()) if self._alive(s) and not s.retiring]
 
     # -- the watch loop ----------------------------------------------------------
     def tick(self) -> None:
