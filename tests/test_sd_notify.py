@@ -164,3 +164,22 @@ def test_watchdog_pid_of_another_process_and_workers_without_notify_environment(
         for s in seen:
             assert s["environ"] == dict.fromkeys(NOTIFY_VARIABLES), f"a worker inherited {s['environ']}"
         assert d.stop() == 0
+
+
+def test_a_reload_before_the_first_data_sends_no_early_ready():
+    """READY=1 means the workers write: a SIGHUP while they are still starting changes the config but
+    must not end the start-up early with the READY=1 that closes a reload."""
+    from daemon_proc import wait_for
+    from ingestd.replay import ReplayReader
+
+    overrides = {"workers.env": "faulty_envs:slow_start", "workers.env_kwargs": {"seconds": 4.0},
+                 "workers.policy": "Random", "workers.count": 1}
+    with DaemonProc(overrides=overrides, notify=True, env=PLUGIN_ENV) as d:
+        wait_for(lambda: (d.runtime_dir / "control.sock").exists(), 60, "the control socket (signals installed)")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_messages(d, 0, lambda new: any("READY=1" in m for m in new), 60, "READY=1")
+        with ReplayReader(d.replay_path) as reader:
+            assert reader.write_count > 0, f"READY=1 before any row was stored: {d.messages}"
+        assert not any("RELOADING=1" in m for m in d.messages), d.messages
+        assert "reload: applied" in d.log()
+        assert d.stop() == 0

@@ -43,6 +43,7 @@ class Daemon:
         self._wake = threading.Event()  # set by submit() so commands do not wait out a tick
         self._stop_requested = False
         self._reload_requested = False
+        self._ready = False  # READY=1 sent (the workers wrote, or none ever will)
         self._listeners: list[Callable[..., None]] = []
         self.layout: Layout | None = None
         self.supervisor: Supervisor | None = None
@@ -92,7 +93,6 @@ class Daemon:
 
     def _loop(self) -> None:
         start_count = self.layout.storage.write_count
-        ready = False
         next_status = 0.0
         while not self._stop_requested:
             now = self.clock()
@@ -104,11 +104,11 @@ class Daemon:
                     self.reload()
                 except ConfigError:
                     pass  # logged by reload(); the running config stays, as after a failed reload command
-            if not ready and self._first_data(start_count):
-                ready = True
+            if not self._ready and self._first_data(start_count):
+                self._ready = True
                 self.notifier.ready(self.status_line())
                 log.info("ready: %s", self.status_line())
-            if ready and now >= next_status:
+            if self._ready and now >= next_status:
                 self.notifier.status(self.status_line())
                 next_status = now + STATUS_EVERY_S
             self.notifier.watchdog(now)
@@ -168,12 +168,13 @@ class Daemon:
         """Re-read the config file; apply what can change live, report the rest."""
         from ingestd.service.config import load_config, reloadable_diff
 
-        self.notifier.reloading()
+        if self._ready:  # before the first READY=1, a reload is part of starting up: nothing to tell
+            self.notifier.reloading()
         try:
             new = load_config(self.config_path, self.overrides)
         except Exception as exc:
             log.error("reload failed, keeping the running config: %s", exc)
-            self.notifier.ready(self.status_line())
+            self._reloaded()
             raise
         applied, needs_restart = reloadable_diff(self.config, new)
         if "service.log_level" in applied:
@@ -190,9 +191,14 @@ class Daemon:
         if needs_restart:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
         log.info("reload: applied %s", ", ".join(applied) or "nothing (no live change)")
-        self.notifier.ready(self.status_line())
+        self._reloaded()
         self.emit("config.reloaded", applied=applied, not_applied=needs_restart)
         return {"applied": applied, "not_applied": needs_restart}
+
+    def _reloaded(self) -> None:
+        """READY=1 ends the RELOADING=1 state (sent only once the daemon was ready)."""
+        if self._ready:
+            self.notifier.ready(self.status_line())
 
     def set_desired(self, desired: Desired) -> None:
         self.supervisor.set_desired(desired)
