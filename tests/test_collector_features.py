@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from daemon_proc import DaemonProc
-from ingestd.collect.envs import CartPole
+from ingestd.collect.envs import CartPole, Gym
 from ingestd.collect.envs.checksum import Checksum, episode_hash, episode_shape, mix64, reward_of
 from ingestd.collect.features import (
     WARMUP_VERSION, Schedule, StepLimit, check_device, component_seeds, seeded_policy_kwargs,
@@ -141,6 +141,19 @@ def test_step_limit_truncates_and_never_marks_terminated():
     assert torch.equal(nxt["terminated"][:, 0], natural & terminates)
     assert torch.equal(nxt["truncated"][:, 0], (natural & ~terminates) | ((s == 3) & ~natural))
     assert torch.equal(rows["observation"], torch.stack((w, i, e, s), 1))  # the env really reset
+
+
+def test_step_limit_really_resets_a_gym_env():
+    """The Gym adapter is a TorchEnv, so StepLimit accepts it: a cut episode must restart from a
+    reset state (gymnasium's CartPole resets into U(-0.05, 0.05)), not go on from where it was."""
+    env = StepLimit(Gym(EnvContext(num_envs=3, seed=0, worker=0, episode_base=0), id="CartPole-v1"), 4)
+    push_right = lambda td: td.set("action", torch.ones(3, dtype=torch.int64))  # noqa: E731
+    rows, _ = Rollout(env, push_right, 0, 0, 12).chunk(1)
+    env.close()
+    step, obs = rows["ingestd", "step"], rows["observation"]
+    assert int(step.max()) == 3 and bool(rows["next", "truncated"][step == 3].all())
+    assert obs[step == 0].abs().max() <= 0.05  # every episode, the cut ones included, starts reset
+    assert obs[step == 3][:, 1].min() > 0.4  # pushed right for 3 steps: well away from a reset state
 
 
 def test_schedule_counts_the_replays_write_count():

@@ -276,3 +276,17 @@ def test_cli(shm_dir, capsys):
     assert "storage restored at" in capsys.readouterr().out
     assert cli.main(["replay", "restore", str(shm_dir / "nope"), str(shm_dir / "dst2")]) == 1
     assert "no snapshot" in capsys.readouterr().err
+
+
+def test_cli_errors_name_what_the_operator_got_wrong(shm_dir, capsys):
+    src = filled(shm_dir / "src", "cartpole", 256, rows=200)
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "missing" / "snap")]) == 1
+    err = capsys.readouterr().err
+    assert f"{shm_dir / 'missing'} does not exist" in err and ".partial-" not in err  # not our temp name
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
+    capsys.readouterr()
+    # the arguments of restore given to snapshot: a snapshot is not a storage, and nothing is "incomplete"
+    assert cli.main(["replay", "snapshot", str(shm_dir / "snap"), str(shm_dir / "again")]) == 1
+    err = capsys.readouterr().err
+    assert "is a snapshot" in err and "ingestd replay restore" in err and "incomplete" not in err
+    assert not (shm_dir / "again").exists() and leftovers(shm_dir) == []

@@ -45,7 +45,7 @@ from pathlib import Path
 import lz4.frame
 import numpy as np
 
-from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists
+from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists, StorageNotFound
 from ingestd.replay import files, priority
 from ingestd.replay.storage import MappedStore, ReplayStorage
 
@@ -86,6 +86,11 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
     dest = Path(dest)
     if dest.exists():
         raise SnapshotExists(f"{dest} already exists; choose another snapshot name or path")
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(f"cannot write the snapshot {dest}: {dest.parent} does not exist (create it first)")
+    if (Path(replay_path) / "snapshot.json").exists():
+        raise StorageNotFound(f"{replay_path} is a snapshot, not a replay storage: make a storage from it with "
+                              "`ingestd replay restore SNAPSHOT DEST`")
     store = MappedStore(replay_path, writable=False)
     tmp = _partial(dest)
     try:

@@ -5,8 +5,10 @@
 with ``AutoresetMode.SAME_STEP``: a finished sub-env is reset inside the
 step that ended it and its final observation comes back in ``infos``; the
 adapter puts that final observation in ``("next", "observation")`` and the
-reset one in the next root. ``gym_kwargs`` go to ``gymnasium.make`` (e.g.
-``max_episode_steps``). The first reset is seeded with ``ctx.seed``.
+reset one in the next root. A reset the env did not ask for (a sub-env cut by
+``workers.max_episode_steps``) goes through gymnasium's ``reset_mask``.
+``gym_kwargs`` go to ``gymnasium.make`` (e.g. ``max_episode_steps``). The first
+reset is seeded with ``ctx.seed``.
 
 Spaces: ``Box`` and ``Discrete`` observations; ``Discrete`` actions become an
 int64 index ``[]`` (``0..n-1``, shifted by the space's ``start``), ``Box``
@@ -51,18 +53,27 @@ class Gym(TorchEnv):
         super().__init__(ctx, spec)
         self._seed: int | None = ctx.seed
         self._after_reset: torch.Tensor | None = None
+        self._reset_in_step: np.ndarray | None = None  # the sub-envs gymnasium reset during the last step
 
     def _reset(self, mask: torch.Tensor | None) -> torch.Tensor:
-        if mask is not None:  # gymnasium already reset them during the step
+        if mask is None:
+            obs, _ = self._env.reset(seed=self._seed)
+            self._seed = None  # later full resets continue the seeded streams
+            self._after_reset, self._reset_in_step = self._observation(obs), None
             return self._after_reset
-        obs, _ = self._env.reset(seed=self._seed)
-        self._seed = None  # later full resets continue the seeded streams
-        return self._observation(obs)
+        forced = mask.cpu().numpy()  # the sub-envs that ended in the step were reset by gymnasium already;
+        if self._reset_in_step is not None:  # the others (cut by StepLimit) are reset here
+            forced = forced & ~self._reset_in_step
+        if forced.any():
+            obs, _ = self._env.reset(options={"reset_mask": forced})
+            self._after_reset = self._observation(obs)
+        return self._after_reset
 
     def _step(self, action: torch.Tensor) -> StepResult:
         obs, reward, terminated, truncated, infos = self._env.step(self._gym_action(action))
         after = self._observation(obs)
         self._after_reset = after
+        self._reset_in_step = infos.get("_final_obs")
         final = after
         ended = np.flatnonzero(infos.get("_final_obs", ()))
         if ended.size:
