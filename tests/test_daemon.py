@@ -280,6 +280,25 @@ def test_config_errors_found_at_startup_exit_78_naming_the_key(key, value, named
     assert not (tmp_path / "replay").exists(), "nothing may be created before the config is valid"
 
 
+INCOMPATIBLE = [  # each would have crash-looped every worker, or died with a traceback at start
+    (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.env", "discrete action space"),
+    (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env", "observation space"),
+    (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}", "workers.max_episode_steps=10"],
+     "workers.max_episode_steps", "TorchEnv"),
+]
+
+
+@pytest.mark.parametrize("settings,named,why", INCOMPATIBLE)
+def test_an_env_and_policy_or_feature_that_cannot_work_together_exit_78(settings, named, why, tmp_path):
+    args = [a for setting in settings for a in ("--set", setting)]
+    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run",
+                           "--set", f'service.data_dir="{tmp_path}"', "--set", f'service.runtime_dir="{tmp_path}/run"',
+                           "--set", "metrics.enabled=false", *args],
+                          capture_output=True, text=True, timeout=90, env={**os.environ, **PLUGIN_ENV})
+    assert proc.returncode == 78, proc.stderr
+    assert named in proc.stderr and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("key", ["service.data_dir", "service.runtime_dir", "replay.path"])
 def test_directory_that_cannot_be_created_exits_78_naming_the_key(key, tmp_path):
     blocker = tmp_path / "a-file"

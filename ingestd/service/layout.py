@@ -160,11 +160,30 @@ def _newest_stored_version(storage: ReplayStorage) -> int:
 
 
 def _example_rows(spec: WorkerSpec, seed: int):
-    """One real transition from the configured env and policy: the storage schema."""
+    """One real transition from the configured env and policy: the storage schema. An env and
+    policy that cannot work together (spaces the adapter or the policy does not take), or a
+    feature the env does not support, is a config error here, before any worker crash-loops on it."""
+    from ingestd.collect.features import StepLimit, random_policy
+
     torch.manual_seed(seed)
-    env, policy = build_env_and_policy(spec, seed, episode_base=0, num_envs=1)
     try:
+        env, policy = build_env_and_policy(spec, seed, episode_base=0, num_envs=1)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        log.debug("building the env and policy failed", exc_info=True)
+        raise ConfigError("workers.env", f"{spec.env} with policy {spec.policy} cannot run: {exc}") from None
+    try:
+        if spec.max_episode_steps > 0:
+            StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
+        if spec.init_random_frames > 0:
+            random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
         rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        log.debug("the first transition failed", exc_info=True)
+        raise ConfigError("workers.policy", f"{spec.policy} cannot act in {spec.env}: {exc}") from None
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
