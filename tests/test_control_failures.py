@@ -85,7 +85,10 @@ def test_a_command_in_flight_when_the_server_stops_still_gets_its_reply(tmp_path
     try:
         sock.connect(daemon.paths.control)
         sock.send(encode_header(1, "reload", {}))
-        time.sleep(0.3)  # the reload is waiting for the main loop
+        deadline = time.monotonic() + 10
+        while server._slow_in_flight == 0 and time.monotonic() < deadline:  # until the reload waits for the main loop
+            time.sleep(0.01)
+        assert server._slow_in_flight == 1, "the reload never reached the server"
         t0 = time.monotonic()
         server.stop()
         assert time.monotonic() - t0 < STOP_WITHIN_S

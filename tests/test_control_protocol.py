@@ -341,7 +341,8 @@ def test_reply_cache_reuses_a_result_until_it_is_too_old_or_invalidated():
     assert [json.loads(off.get(build).text)["n"] for _ in range(2)] == [5, 6]
 
 
-@pytest.mark.parametrize("address", ["foo", "tcp://*:5555", "ipc://relative.sock", "tcp://host", "inproc://x"])
+@pytest.mark.parametrize("address", ["foo", "tcp://*:5555", "ipc://relative.sock", "tcp://host", "inproc://x",
+                                     "tcp://*:*", "tcp://127.0.0.1:*"])
 def test_a_malformed_address_is_refused_at_once_not_at_the_first_request(address):
     """ZeroMQ would raise a bare 'Invalid argument' at the first request (and leak the socket)."""
     from ingestd import ControlClient

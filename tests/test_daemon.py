@@ -281,7 +281,8 @@ def test_config_errors_found_at_startup_exit_78_naming_the_key(key, value, named
 
 
 INCOMPATIBLE = [  # each would have crash-looped every worker, or died with a traceback at start
-    (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.env", "discrete action space"),
+    (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.policy", "discrete action space"),
+    (["workers.policy_kwargs={epsilon=2.0}"], "'workers'", "epsilon must be in [0, 1]"),
     (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env", "observation space"),
     (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}", "workers.max_episode_steps=10"],
      "workers.max_episode_steps", "TorchEnv"),

@@ -11,6 +11,7 @@ import torch
 
 from ingestd.errors import BadWeights, ClosedError, CorruptStorage, StorageNotFound
 from ingestd.weights import NoWeightsYet, WeightStore, manifest_of
+from ingestd.weights.store import H_ACTIVE, H_BUFVER, H_SEQ, H_VERSION
 
 
 def policy() -> torch.nn.Module:
@@ -145,16 +146,17 @@ def test_create_replaces_an_old_store_atomically(tmp_path, state):
 
 def test_reopen_goes_on_publishing_into_the_same_file(tmp_path, state):
     """A restarted daemon reopens the store: readers mapped before the restart see its versions."""
-    from ingestd.weights.store import H_BUFVER, H_SEQ
-
     with WeightStore.create(tmp_path / "w", manifest_of(state)) as first:
         first.publish(state)
-        first._header[H_SEQ[1]] += 1  # the writer died filling buffer 1
-        first._header[H_BUFVER[1]] = 9
+        inactive = 1 - int(first._header[H_ACTIVE])
+        first._header[H_SEQ[inactive]] += 1  # the writer died filling the inactive buffer
+        first._header[H_BUFVER[inactive]] = 0
     with WeightStore.attach(tmp_path / "w") as reader:
         with WeightStore.reopen(tmp_path / "w", manifest_of(state)) as again:
             assert again.writable and again.version == 1
-            assert int(again._header[H_SEQ[1]]) % 2 == 0 and int(again._header[H_BUFVER[1]]) == 0
+            assert int(again._header[H_SEQ[inactive]]) % 2 == 0 and int(again._header[H_BUFVER[inactive]]) == 0
+            version, got = again.read(timeout=1)
+            assert version == 1 and torch.equal(got["w"], state["w"])  # the whole buffer stays current
             changed = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
             assert again.publish(changed) == 2
         version, got = reader.read()
@@ -164,6 +166,33 @@ def test_reopen_goes_on_publishing_into_the_same_file(tmp_path, state):
     (tmp_path / "junk").write_bytes(b"x" * 10_000)
     with pytest.raises(CorruptStorage):
         WeightStore.reopen(tmp_path / "junk", manifest_of(state))
+
+
+def test_reopen_finishes_a_publish_killed_between_the_flip_and_the_version(tmp_path, state):
+    """publish makes the filled buffer active, then sets the version: a writer killed in between
+    left a whole, active buffer numbered past the version; reopen makes it current, so the next
+    publish cannot reuse its number for other weights."""
+    with WeightStore.create(tmp_path / "w", manifest_of(state)) as first:
+        first.publish(state)
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+        first.publish(changed)
+        first._header[H_VERSION] = 1  # as if killed just before writing version 2
+    with WeightStore.reopen(tmp_path / "w", manifest_of(state)) as again:
+        assert again.version == 2 and torch.equal(again.read(timeout=1)[1]["w"], state["w"] + 1)
+        assert again.publish(state) == 3
+
+
+def test_reopen_refuses_a_header_publish_cannot_leave(tmp_path, state):
+    with WeightStore.create(tmp_path / "w", manifest_of(state)) as first:
+        first.publish(state)
+        first._header[H_SEQ[int(first._header[H_ACTIVE])]] += 1  # the active buffer is never written
+    with pytest.raises(CorruptStorage, match="active buffer"):
+        WeightStore.reopen(tmp_path / "w", manifest_of(state))
+    with WeightStore.create(tmp_path / "v", manifest_of(state)) as first:
+        first.publish(state)
+        first._header[H_VERSION] = 7  # newer than any buffer
+    with pytest.raises(CorruptStorage, match="not the active buffer"):
+        WeightStore.reopen(tmp_path / "v", manifest_of(state))
 
 
 def test_reader_retries_when_its_buffer_is_overwritten_during_the_copy(writer, state):

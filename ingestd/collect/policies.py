@@ -27,12 +27,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ingestd.collect.interfaces import EnvSpec
+from ingestd.errors import ConfigError
 
 
 def _num_actions(spec: EnvSpec, who: str) -> int:
     if spec.num_actions is None or spec.action_shape != ():
-        raise ValueError(f"{who} needs a discrete action space (num_actions set, action_shape ()); "
-                         f"got action_shape={spec.action_shape}, num_actions={spec.num_actions}")
+        raise ConfigError("workers.policy", f"{who} needs a discrete action space (num_actions set, action_shape "
+                                            f"()); got action_shape={spec.action_shape}, num_actions={spec.num_actions}")
     return spec.num_actions
 
 

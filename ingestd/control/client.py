@@ -31,9 +31,8 @@ from typing import Any, Iterator, Mapping
 import zmq
 
 from ingestd.control import curve
-from ingestd.control.commands import MAX_WAIT_S
 from ingestd.control.commands import (
-    SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
+    MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
     Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
 from ingestd.control.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_header
@@ -67,7 +66,7 @@ def check_address(address: str) -> str:
     except ConfigError:
         checked = ""
     match = _TCP.fullmatch(checked)
-    if not checked or (match is not None and match["host"] in _WILDCARD_HOSTS):
+    if not checked or (checked.startswith("tcp://") and (match is None or match["host"] in _WILDCARD_HOSTS)):
         raise ValueError(f"{address!r} is not a daemon address; expected {_ADDRESS_FORMS}")
     return checked
 

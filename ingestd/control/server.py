@@ -179,14 +179,16 @@ class ControlServer:
         if self._thread.is_alive():
             log.warning("control thread did not stop within %.0f s", STOP_JOIN_S)
         self._pool.shutdown(wait=True, cancel_futures=True)  # waiters see ``stopping`` and return at once
-        if not self._thread.is_alive():  # the sockets are this thread's now
-            self._flush_outbox()  # the replies of the commands that finished meanwhile (a snapshot, ``unavailable``)
-            self._router.close(linger=STOP_LINGER_MS)  # let them leave (the context is destroyed with linger 0)
-        self._thread = None
-        wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
-        for fd in (wake_r, wake_w):
-            os.close(fd)
-        self._close_all()
+        try:
+            if not self._thread.is_alive():  # the sockets are this thread's now
+                self._flush_outbox()  # replies of commands that finished meanwhile (a snapshot, ``unavailable``)
+                self._router.close(linger=STOP_LINGER_MS)  # let them leave (the context is destroyed with linger 0)
+        finally:
+            self._thread = None
+            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+            self._close_all()
 
     def _close_all(self) -> None:
         if self._auth is not None:

@@ -138,8 +138,8 @@ def _weight_store(path, manifest, initial: dict, stored: int):
         weights = WeightStore.reopen(path, manifest)
         if weights is None and path.exists():
             log.warning("the weight store at %s holds another policy shape: starting a new one", path)
-    except CorruptStorage as exc:  # unreadable: start over, but say so
-        log.warning("replacing the unreadable weight store at %s: %s", path, exc)
+    except (CorruptStorage, OSError) as exc:  # damaged, or not ours to open: start over, but say so
+        log.warning("replacing the weight store at %s: %s", path, exc)
     if weights is not None and weights.version > 0:
         os.chmod(path, WEIGHTS_MODE)  # a store made by an older daemon was 0600
         log.info("resuming from weights version %d left by the previous daemon", weights.version)
@@ -166,24 +166,21 @@ def _example_rows(spec: WorkerSpec, seed: int):
     from ingestd.collect.features import StepLimit, random_policy
 
     torch.manual_seed(seed)
-    try:
+    try:  # the factories get the config's kwargs: a value they refuse is a config error
         env, policy = build_env_and_policy(spec, seed, episode_base=0, num_envs=1)
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        log.debug("building the env and policy failed", exc_info=True)
-        raise ConfigError("workers.env", f"{spec.env} with policy {spec.policy} cannot run: {exc}") from None
-    try:
+        log.debug("building env %s and policy %s failed", spec.env, spec.policy, exc_info=True)
+        raise ConfigError("workers", f"env {spec.env} with {dict(spec.env_kwargs)} and policy {spec.policy} with "
+                                     f"{dict(spec.policy_kwargs)} could not be built: {exc} (the traceback is "
+                                     "logged with service.log_level = \"debug\")") from None
+    try:  # errors past here are the env's or ingestd's bugs, not the config's: they keep their traceback
         if spec.max_episode_steps > 0:
             StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
         if spec.init_random_frames > 0:
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
         rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:
-        log.debug("the first transition failed", exc_info=True)
-        raise ConfigError("workers.policy", f"{spec.policy} cannot act in {spec.env}: {exc}") from None
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)

@@ -123,8 +123,10 @@ class WeightStore:
         """The existing store at ``path`` as its writer again, if it holds ``manifest``; else None.
 
         A restarted daemon publishes into the same file, so readers that mapped it (workers, a
-        trainer's ``weights_path=``) keep seeing new versions. A buffer its previous writer
-        died filling is marked empty (readers skip it; the other buffer is whole)."""
+        trainer's ``weights_path=``) keep seeing new versions. A previous writer killed in
+        ``publish`` is finished for it: a buffer it died filling (never the active one) is marked
+        empty, and a buffer it made active but died before numbering becomes the current
+        version. ``CorruptStorage`` if the header fits no state ``publish`` can leave."""
         try:
             store = cls._map(Path(path), writable=True)
         except StorageNotFound:
@@ -132,11 +134,20 @@ class WeightStore:
         if store.manifest != manifest:
             store.close()
             return None
-        header = store._header
-        for target in (0, 1):
-            if int(header[H_SEQ[target]]) % 2:
-                header[H_BUFVER[target]] = 0
-                header[H_SEQ[target]] += 1
+        header, active = store._header, int(store._header[H_ACTIVE])
+        if int(header[H_SEQ[active]]) % 2:
+            store.close()
+            raise CorruptStorage(f"{path}: the active buffer is marked as being written; it is damaged")
+        inactive = 1 - active
+        if int(header[H_SEQ[inactive]]) % 2:  # died filling it: the active buffer is whole
+            header[H_BUFVER[inactive]] = 0
+            header[H_SEQ[inactive]] += 1
+        if int(header[H_BUFVER[active]]) > int(header[H_VERSION]):  # died between the flip and the number
+            header[H_VERSION] = header[H_BUFVER[active]]
+        if int(header[H_BUFVER[active]]) != int(header[H_VERSION]):
+            store.close()
+            raise CorruptStorage(f"{path}: version {int(header[H_VERSION])} is not the active buffer's "
+                                 f"({int(header[H_BUFVER[active]])}); it is damaged")
         return store
 
     @classmethod

@@ -22,6 +22,7 @@ import torch
 
 from ingestd.collect.envs.base import StepResult, TorchEnv
 from ingestd.collect.interfaces import EnvContext, EnvSpec
+from ingestd.errors import ConfigError
 
 
 def _import_gymnasium():
@@ -102,14 +103,14 @@ def _spec_of(id: str, obs_space, action_space, spaces) -> tuple[EnvSpec, int | N
     elif isinstance(obs_space, spaces.Discrete):
         obs_shape, obs_dtype = (), torch.int64
     else:
-        raise ValueError(f"gym env {id!r}: observation space {obs_space} is not supported; "
+        raise ConfigError("workers.env", f"gym env {id!r}: observation space {obs_space} is not supported; "
                          "the Gym adapter takes Box or Discrete observations")
     if isinstance(action_space, spaces.Discrete):
         spec = EnvSpec(obs_shape, obs_dtype, (), torch.int64, int(action_space.n))
         return spec, int(action_space.start)
     if isinstance(action_space, spaces.Box):
         return EnvSpec(obs_shape, obs_dtype, tuple(action_space.shape), torch.float32, None), None
-    raise ValueError(f"gym env {id!r}: action space {action_space} is not supported; "
+    raise ConfigError("workers.env", f"gym env {id!r}: action space {action_space} is not supported; "
                      "the Gym adapter takes Discrete or Box actions")
 
 
