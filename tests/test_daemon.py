@@ -260,57 +260,58 @@ def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
         assert first.stop() == 0
 
 
-STARTUP_CONFIG_ERRORS = [  # wrong only once the daemon resolves paths or the factories
-    ("service.runtime_dir", "{tmp}/" + "r" * 110, "control.address"),
-    ("workers.env", "no_such_package.envs:make", "workers.env"),
-    ("workers.env_kwargs.bogus", "1", "workers.env_kwargs"),
-    ("workers.policy", "no_such_package.policies:make", "workers.policy"),
-    ("workers.policy_kwargs.bogus", "1", "workers.policy_kwargs"),
-]
+# Config errors found only once the daemon starts, each run as `ingestd run` with `{tmp}` a fresh
+# directory: case -> (settings, text the message must name, text explaining why). Each process
+# imports torch (~6 s of CPU), so the module runs them all at once (``startup_failures``).
+STARTUP_FAILURES = {
+    # wrong only once the daemon resolves paths or the factories
+    "ipc path too long": (['service.runtime_dir="{tmp}/' + "r" * 110 + '"'], "control.address", ""),
+    "env path": (['workers.env="no_such_package.envs:make"'], "workers.env", ""),
+    "env kwargs": (["workers.env_kwargs.bogus=1"], "workers.env_kwargs", ""),
+    "policy path": (['workers.policy="no_such_package.policies:make"'], "workers.policy", ""),
+    "policy kwargs": (["workers.policy_kwargs.bogus=1"], "workers.policy_kwargs", ""),
+    # an env and policy or a feature that cannot work together: every worker would crash-loop
+    "continuous actions": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.policy",
+                           "discrete action space"),
+    "kwargs value": (["workers.policy_kwargs={epsilon=2.0}"], "'workers'", "epsilon must be in [0, 1]"),
+    "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",
+                           "observation space"),
+    "step limit": (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}",
+                    "workers.max_episode_steps=10"], "workers.max_episode_steps", "TorchEnv"),
+    # a directory that cannot be created ({tmp}/a-file is a file)
+    **{f"{key} under a file": ([f'{key}="{{tmp}}/a-file/dir"'], key, "cannot create")
+       for key in ("service.data_dir", "service.runtime_dir", "replay.path")},
+}
 
 
-@pytest.mark.parametrize("key,value,named", STARTUP_CONFIG_ERRORS)
-def test_config_errors_found_at_startup_exit_78_naming_the_key(key, value, named, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run",
-                           "--set", f'service.data_dir="{tmp_path}"', "--set", f'service.runtime_dir="{tmp_path}/run"',
-                           "--set", "metrics.enabled=false", "--set", f"{key}={value.format(tmp=tmp_path)}"],
-                          capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 78, proc.stderr
-    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert not (tmp_path / "replay").exists(), "nothing may be created before the config is valid"
+@pytest.fixture(scope="module")
+def startup_failures(tmp_path_factory):
+    """``{case: (exit status, stderr, its directory)}`` of every ``STARTUP_FAILURES`` case."""
+    procs = {}
+    try:
+        for case, (settings, _, _) in STARTUP_FAILURES.items():
+            tmp = tmp_path_factory.mktemp("startup")
+            (tmp / "a-file").write_text("")
+            args = [f'service.data_dir="{tmp}/data"', f'service.runtime_dir="{tmp}/run"', "metrics.enabled=false",
+                    *(setting.replace("{tmp}", str(tmp)) for setting in settings)]
+            procs[case] = (tmp, subprocess.Popen(
+                [sys.executable, "-m", "ingestd.service.cli", "run", *(a for arg in args for a in ("--set", arg))],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **PLUGIN_ENV}))
+        yield {case: (proc.wait(120), proc.communicate()[1], tmp) for case, (tmp, proc) in procs.items()}
+    finally:
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
-INCOMPATIBLE = [  # each would have crash-looped every worker, or died with a traceback at start
-    (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.policy", "discrete action space"),
-    (["workers.policy_kwargs={epsilon=2.0}"], "'workers'", "epsilon must be in [0, 1]"),
-    (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env", "observation space"),
-    (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}", "workers.max_episode_steps=10"],
-     "workers.max_episode_steps", "TorchEnv"),
-]
-
-
-@pytest.mark.parametrize("settings,named,why", INCOMPATIBLE)
-def test_an_env_and_policy_or_feature_that_cannot_work_together_exit_78(settings, named, why, tmp_path):
-    args = [a for setting in settings for a in ("--set", setting)]
-    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run",
-                           "--set", f'service.data_dir="{tmp_path}"', "--set", f'service.runtime_dir="{tmp_path}/run"',
-                           "--set", "metrics.enabled=false", *args],
-                          capture_output=True, text=True, timeout=90, env={**os.environ, **PLUGIN_ENV})
-    assert proc.returncode == 78, proc.stderr
-    assert named in proc.stderr and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-
-
-@pytest.mark.parametrize("key", ["service.data_dir", "service.runtime_dir", "replay.path"])
-def test_directory_that_cannot_be_created_exits_78_naming_the_key(key, tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    settings = {"service.data_dir": tmp_path / "data", "service.runtime_dir": tmp_path / "run",
-                key: blocker / "dir"}
-    args = [arg for k, v in settings.items() for arg in ("--set", f'{k}="{v}"')]
-    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run", *args, "--set", "metrics.enabled=false"],
-                          capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 78, proc.stderr
-    assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+@pytest.mark.parametrize("case", STARTUP_FAILURES)
+def test_config_errors_found_at_startup_exit_78_naming_the_key(case, startup_failures):
+    _, named, why = STARTUP_FAILURES[case]
+    status, stderr, tmp = startup_failures[case]
+    assert status == 78, stderr
+    assert named in stderr and why in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp / "data" / "replay").exists(), "nothing may be created before the config is valid"
 
 
 def test_sighup_with_a_bad_config_keeps_the_daemon_and_its_config():
