@@ -83,6 +83,25 @@ def events_address(advertised: str, control_address: str) -> str:
     return f"tcp://{host}:{match['port']}"
 
 
+def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "CurveKeys | None",
+                   subscribe: list[bytes] = ()) -> zmq.Socket:
+    """A connected client socket (no linger, replies capped, CURVE if given); closed again if any
+    step fails (a CURVE key file that went away raises ``KeyFileError``)."""
+    sock = context.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        if curve_keys is not None:
+            curve_keys.apply(sock)
+        for topic in subscribe:
+            sock.setsockopt(zmq.SUBSCRIBE, topic)
+        sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """CURVE settings of a client: the daemon's public key and this client's secret key file."""
@@ -238,16 +257,7 @@ class ControlClient:
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
-            sock = self._context.socket(zmq.DEALER)
-            try:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-                if self.curve_keys is not None:
-                    self.curve_keys.apply(sock)  # KeyFileError if the key file went away
-                sock.connect(self.address)
-            except BaseException:
-                sock.close(linger=0)
-                raise
+            sock = _client_socket(self._context, zmq.DEALER, self.address, self.curve_keys)
             self._socket, self._poller = sock, zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
         return self._socket
@@ -308,18 +318,8 @@ class EventStream:
     def __init__(self, address: str, topics: tuple[str, ...] = ("",), *, curve_keys: CurveKeys | None = None,
                  context: zmq.Context | None = None):
         self.address = check_address(address)
-        self._socket = (context or zmq.Context.instance()).socket(zmq.SUB)
-        try:
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            if curve_keys is not None:
-                curve_keys.apply(self._socket)
-            for topic in topics or ("",):
-                self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            self._socket.connect(self.address)
-        except BaseException:
-            self._socket.close(linger=0)
-            raise
+        self._socket = _client_socket(context or zmq.Context.instance(), zmq.SUB, self.address, curve_keys,
+                                      [topic.encode() for topic in topics or ("",)])
 
     @classmethod
     def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:

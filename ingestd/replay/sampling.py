@@ -96,10 +96,7 @@ class Sampling:
             self._sequences = SequenceSampler(self.reader)
 
         def attempt():
-            self._min_version = None
-            if self.max_policy_lag is not None:
-                self._min_version = self.weights_version() - self.max_policy_lag
-            out = self._sequences.sample(batch, length, cross_episodes, self._min_version)
+            out = self._sequences.sample(batch, length, cross_episodes, self._refresh_min_version())
             if out is not None:
                 self._note_lag(out)
             return out
@@ -136,6 +133,12 @@ class Sampling:
                     self.limiter.add_reader_blocked(time.monotonic() - waited_from)
                 raise SampleTimeout(f"replay {self.reader.path}: {why} (waited {timeout} s)")
             time.sleep(_POLL_S)
+
+    def _refresh_min_version(self) -> int | None:
+        """The oldest ``policy_version`` ``max_policy_lag`` accepts now (None: no lag limit); kept
+        for the error message of an attempt that found no rows."""
+        self._min_version = None if self.max_policy_lag is None else self.weights_version() - self.max_policy_lag
+        return self._min_version
 
     def _empty_reason(self, none_found: str | None) -> str:
         if len(self.reader) == 0:
@@ -184,10 +187,8 @@ class Sampling:
         filled = len(r)
         if filled == 0:
             return None
-        self._min_version = None
-        if self.max_policy_lag is not None:
-            self._min_version = self.weights_version() - self.max_policy_lag
-        if self.tree is None and self._min_version is None:
+        min_version = self._refresh_min_version()
+        if self.tree is None and min_version is None:
             out = r._sample(n, into)
             if out is not None:
                 self._note_lag(out)

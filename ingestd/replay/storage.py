@@ -194,11 +194,12 @@ class ReplayStorage(MappedStore):
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, example_or_spec, capacity: int,
                        recover: bool = True) -> "ReplayStorage":
-        if not (Path(path).expanduser() / "meta.json").exists():
+        meta = Path(path).expanduser() / "meta.json"
+        if not meta.exists():
             try:
                 return cls.create(path, example_or_spec, capacity)
             except FileExistsError:
-                if not (Path(path).expanduser() / "meta.json").exists():
+                if not meta.exists():
                     raise
         return cls.open(path, example_or_spec, capacity, recover=recover)
 
