@@ -274,6 +274,8 @@ STARTUP_FAILURES = {
     "continuous actions": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.policy",
                            "discrete action space"),
     "kwargs value": (["workers.policy_kwargs={epsilon=2.0}"], "'workers'", "epsilon must be in [0, 1]"),
+    "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
+                       "NoSuchEnv"),
     "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",
                            "observation space"),
     "step limit": (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}",

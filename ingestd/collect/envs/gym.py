@@ -40,11 +40,14 @@ class Gym(TorchEnv):
     def __init__(self, ctx: EnvContext, id: str = "CartPole-v1", **gym_kwargs):
         gymnasium = _import_gymnasium()
         self.id = id
-        self._env = gymnasium.make_vec(
-            id, num_envs=ctx.num_envs, vectorization_mode="sync",
-            vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP},
-            **gym_kwargs,
-        )
+        try:
+            self._env = gymnasium.make_vec(
+                id, num_envs=ctx.num_envs, vectorization_mode="sync",
+                vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP},
+                **gym_kwargs,
+            )
+        except gymnasium.error.Error as e:  # an unknown id or version, a missing extra (box2d, atari)
+            raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made: {e}") from None
         try:
             spec, self._action_start = _spec_of(id, self._env.single_observation_space,
                                                 self._env.single_action_space, gymnasium.spaces)
@@ -81,19 +84,19 @@ class Gym(TorchEnv):
             final = after.clone()
             for i in ended:
                 final[i] = torch.as_tensor(np.asarray(infos["final_obs"][i]), dtype=final.dtype)
-        return (final, torch.tensor(reward, dtype=torch.float32), torch.tensor(terminated),
-                torch.tensor(truncated), {})
+        device = self.device
+        return (final, torch.tensor(reward, dtype=torch.float32, device=device),
+                torch.tensor(terminated, device=device), torch.tensor(truncated, device=device), {})
 
     def _close(self) -> None:
         self._env.close()
 
     def _gym_action(self, action: torch.Tensor) -> np.ndarray:
-        if not self._action_start:  # Box, or Discrete starting at 0
-            return action.numpy()
-        return action.numpy() + self._action_start
+        action = action.cpu().numpy()  # a no-op on CPU; gymnasium steps on the host
+        return action + self._action_start if self._action_start else action
 
     def _observation(self, obs: np.ndarray) -> torch.Tensor:
-        return torch.tensor(obs, dtype=self.spec.observation_dtype).view(self.num_envs, *self.spec.observation_shape)
+        return torch.tensor(obs, dtype=self.spec.observation_dtype, device=self.device).view(self.num_envs, *self.spec.observation_shape)
 
 
 def _spec_of(id: str, obs_space, action_space, spaces) -> tuple[EnvSpec, int | None]:
