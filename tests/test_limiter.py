@@ -2,6 +2,9 @@
 end-to-end daemon whose trainer stops (the workers wait visibly, and resume)."""
 from __future__ import annotations
 
+import math
+import multiprocessing as mp
+import os
 import threading
 import time
 import urllib.request
@@ -10,9 +13,9 @@ import pytest
 from sampling_rows import rows
 
 from ingestd.collect.stats import PauseReason, StatsBlock
-from ingestd.errors import SampleTimeout
+from ingestd.errors import SampleTimeout, StorageNotFound
 from ingestd.replay import ReplayReader, ReplayStorage
-from ingestd.replay.limiter import Limiter, LimiterParams, RateLimited, check_window, hold_worker
+from ingestd.replay.limiter import FILE, Limiter, LimiterParams, RateLimited, check_window, ensure_file, hold_worker
 from ingestd.replay.sampling import sampling_metrics
 
 
@@ -60,6 +63,21 @@ def test_min_size_holds_readers_but_never_workers(shm_dir):
             r.sample(1)
         store.write(rows(80))
         assert lim.insert_blocked() is not None
+        lim.close()
+
+
+def test_min_size_above_the_capacity_does_not_deadlock(shm_dir):
+    """A ring smaller than min_size never holds min_size rows: readers wait until min_size rows
+    were written (as workers count them), else both sides would wait for ever."""
+    with store_with(shm_dir / "r", n=100, capacity=100) as store, ReplayReader(store.path) as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, min_size=150, samples_per_insert=1.0, min_diff=-100.0, max_diff=20.0))
+        with pytest.raises(RateLimited, match="min_size"):
+            r.sample(1)  # 100 rows written: still too few
+        store.write(rows(60))  # 160 written, 100 held; error 60 > max_diff: the workers wait
+        assert lim.insert_blocked() is not None
+        assert lim.sample_blocked(len(r)) is None and r.sample(50).batch_size == (50,)  # released by the trainer
+        assert lim.insert_blocked() is None
         lim.close()
 
 
@@ -137,12 +155,48 @@ def test_metrics_follow_a_reopened_storage(shm_dir):
     try:
         for n in (100, 50):
             with ReplayStorage.open_or_create(shm_dir / "r", rows(1), 10_000) as store:
-                store.write(rows(n))
                 families = {f.name: f for f in sampling_metrics(store, 0, stats)}
                 assert families["ingestd_limiter_enabled"].samples[0].value == 0
-                assert families["ingestd_limiter_error"].samples[0].value == store.write_count  # never anchored
+                assert math.isnan(families["ingestd_limiter_error"].samples[0].value)  # disabled: no error kept
+                lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+                lim.configure(LimiterParams(True, 0, 1.0, -1e6, 1e6))  # anchored at this write_count
+                store.write(rows(n))
+                families = {f.name: f for f in sampling_metrics(store, 0, stats)}
+                assert families["ingestd_limiter_error"].samples[0].value == n  # counted through this handle
+                lim.configure(LimiterParams())  # disabled again for the next round
+                lim.close()
     finally:
         stats.close()
+
+
+def _ensure_file_without_room(path):
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past RLIMIT_FSIZE: EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        ensure_file(path)
+    except OSError:
+        os._exit(3)
+    os._exit(0)
+
+
+def test_no_room_for_the_limiter_file_leaves_nothing_behind(shm_dir):
+    child = mp.get_context("fork").Process(target=_ensure_file_without_room, args=(shm_dir,))
+    child.start()
+    child.join(20)
+    assert child.exitcode == 3 and list(shm_dir.iterdir()) == []  # no half-written limiter.bin.<pid>.tmp
+
+
+def test_a_handle_on_a_path_without_a_storage_fails_without_leaking(shm_dir):
+    """Without ``inserts=`` the handle reads the storage's header.bin: where there is none, it
+    fails before it opens or creates anything."""
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(StorageNotFound, match="no replay storage"):
+            Limiter.attach(shm_dir)
+    assert len(os.listdir("/proc/self/fd")) == fds and not (shm_dir / FILE).exists()
 
 
 # -- end to end: the trainer stops ----------------------------------------------------------------

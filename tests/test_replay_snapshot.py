@@ -4,6 +4,8 @@ existing destinations and damaged snapshots."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 
 import numpy as np
 import pytest
@@ -174,6 +176,29 @@ def test_a_restored_storage_samples_prioritized_at_once(shm_dir):
     with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:
         batch = reader.sample(64, timeout=5)
         assert (batch["ingestd", "write_index"] < 200).all()
+
+
+def _killed_between_commit_and_enter(path):
+    store = rp.PayloadStorage.open(path)
+    store._priorities.enter = lambda first, n: os._exit(9)  # as a kill -9 right after the commit
+    store.write(rp.template(store.schema, 8))
+
+
+def test_rows_a_dead_writer_never_entered_in_the_tree_are_sampled_after_a_restore(shm_dir):
+    """A snapshot taken before recovery holds committed rows whose tree leaf is still 0; the
+    restore enters them at the maximum, as recovery does, so a prioritized reader of the
+    restored storage samples every row."""
+    src = filled(shm_dir / "src", "cartpole", 64, rows=50)
+    child = mp.get_context("fork").Process(target=_killed_between_commit_and_enter, args=(src,))
+    child.start()
+    child.join(20)
+    assert child.exitcode == 9
+    snapshot.save(src, shm_dir / "snap")
+    snapshot.restore(shm_dir / "snap", shm_dir / "dst")
+    with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:
+        tree = reader._sampling.tree
+        assert (tree.levels[0][:58] == tree.max_leaf).all() and tree.total == pytest.approx(58 * tree.max_leaf)
+        assert set(reader.sample(2000)["ingestd", "write_index"].tolist()) == set(range(58))
 
 
 def _rewrite_json(path, **changes) -> None:

@@ -275,6 +275,67 @@ def test_bad_arguments(shm_dir):
                 r.update_priorities([64], [1.0], write_index=[0])
 
 
+@pytest.mark.parametrize("write_index", [[0], [0, 1]])  # [0] was broadcast: one row compared, two dropped
+def test_write_indices_of_another_length_are_refused_and_change_nothing(shm_dir, write_index):
+    with make(shm_dir / "r", capacity=64, n=64), \
+            ReplayReader(shm_dir / "r", seed=0, sampler="prioritized", alpha=1.0) as r:
+        with pytest.raises(ValueError, match=f"3 indices but {len(write_index)} write indices"):
+            r.update_priorities(np.arange(3), np.full(3, 5.0), write_index=write_index)
+        tree = r._sampling.tree
+        assert np.allclose(tree.levels[0][:64], 1.0) and tree.max_leaf == 1.0 and tree.total == 64.0
+
+
+# -- no room for the tree ------------------------------------------------------------------------
+def _private_tmpfs(path: Path, size: str) -> bool:
+    """Mount a tmpfs of ``size`` on ``path`` in a mount namespace of this (forked, single-threaded)
+    process alone, gone when it exits; False where that is not allowed (not root)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 0x40000
+    return (os.geteuid() == 0 and libc.unshare(clone_newns) == 0
+            and libc.mount(b"none", b"/", None, ms_rec | ms_private, None) == 0  # nothing leaks out
+            and libc.mount(b"tmpfs", bytes(path), b"tmpfs", 0, f"size={size}".encode()) == 0)
+
+
+def _create_without_room_for_the_tree(fs: Path, report: Path) -> None:
+    # capacity 4097: data.bin (528,384 bytes) and header.bin fit in 800 KiB; priority.bin (559,304) does not
+    import resource
+    import signal
+
+    from ingestd.errors import StorageFull
+
+    how = "tmpfs"
+    if not _private_tmpfs(fs, "800k"):
+        how = "rlimit"  # a file past RLIMIT_FSIZE: EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (540_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        ReplayStorage.create(fs / "r", rows(1), 4097).close()
+    except StorageFull as exc:
+        left = sorted(p.name for p in (fs / "r").iterdir() if p.name.endswith(".tmp"))
+        report.write_text(f"{how}: {exc} | left: {left}")
+        os._exit(3)
+    os._exit(0)
+
+
+def test_no_room_for_the_tree_is_a_clear_error_not_a_sigbus(shm_dir):
+    """priority.bin is allocated up front, as the storage's files are: a file system with room
+    for the rows but not for the tree fails with StorageFull (the storage says where and how
+    much), never a SIGBUS in the process that first touches a page of a sparse tree."""
+    fs, report = shm_dir / "fs", shm_dir / "report"
+    fs.mkdir()
+    child = mp.get_context("fork").Process(target=_create_without_room_for_the_tree, args=(fs, report))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 3, child.exitcode  # was -7 (SIGBUS) on the small tmpfs
+    text = report.read_text()
+    assert "priority tree" in text and "4097 rows" in text and text.endswith("left: []"), text
+    with ReplayStorage.create(shm_dir / "r", rows(1), 4097):  # with room: allocated, not sparse
+        tree = (shm_dir / "r" / "priority.bin").stat()
+        assert tree.st_blocks * 512 >= tree.st_size
+
+
 # -- multi-process stress -----------------------------------------------------------------------
 def _writer(path, worker, stop):
     with ReplayStorage.open(path) as store:

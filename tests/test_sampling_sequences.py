@@ -8,6 +8,7 @@ import torch
 from sampling_rows import checksum_rollouts, example_rows
 
 from ingestd.collect.envs import verify_rows
+from ingestd.collect.nstep import STEPS_KEY, NStep, schema_rows
 from ingestd.errors import EmptyReplay, SampleTimeout
 from ingestd.replay import ReplayReader, ReplayStorage
 
@@ -170,3 +171,30 @@ def test_rows_lapped_while_the_table_is_read(shm_dir):
         runs.refresh = lapping_refresh
         for _ in range(10):  # more than a ring written meanwhile
             check_sequences(r.sample_sequences(16, 6), False)
+
+
+def test_sequences_of_n_step_rows_reach_episode_ends_and_cross_them(shm_dir):
+    """With ``workers.n_step = n`` a row's ("next", "done") says its episode ended within the
+    row's window, so the last n-1 steps of every episode are done: a sequence must still run
+    to the episode's last step, and across it with ``cross_episodes=True``."""
+    n, num_envs = 3, 4
+    rollouts, rng = checksum_rollouts(2, num_envs, 5, seed=15), np.random.default_rng(15)
+    windows = [NStep(n, 0.9, num_envs) for _ in rollouts]
+    with ReplayStorage.create(shm_dir / "r", schema_rows(example_rows(num_envs), n, 0.9), 4000) as store, \
+            ReplayReader(store.path, seed=10) as r:
+        for _ in range(150):
+            w = int(rng.integers(2))
+            store.write(windows[w](rollouts[w].chunk(0)[0]))
+        for cross, length in ((False, 12), (True, 41)):  # 41: longer than any Checksum episode
+            td = r.sample_sequences(32, length, cross_episodes=cross)
+            g = lambda f: td.get(("ingestd", f))  # noqa: E731
+            worker, env, episode, step = g("worker"), g("env"), g("episode"), g("step")
+            assert (worker == worker[:, :1]).all() and (env == env[:, :1]).all()
+            assert (g("write_index")[:, 1:] > g("write_index")[:, :-1]).all()
+            assert (td.get("observation") == torch.stack((worker, env, episode, step), -1)).all()  # rows intact
+            same = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
+            crossed = (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
+            done = td.get(("next", "done")).reshape(32, length)[:, :-1]
+            assert (same | (crossed & done)).all() and (crossed.any() if cross else not crossed.any())
+            assert done.any()  # the steps near an episode's end are in sequences
+            assert (td.get(STEPS_KEY)[..., 0] <= n).all()

@@ -15,7 +15,8 @@ every rate-limited reader has sampled while the limiter was enabled.
   = :data:`PAUSE_LIMITER`, ``limiter_waits`` / ``limiter_blocked_s`` count it,
   and the heartbeat stays fresh). A pause or stop request ends the wait.
 - A **reader** checks before each sample: while the storage holds fewer than
-  ``min_size`` rows, or ``error < min_diff``, ``sample(timeout=...)`` waits and
+  ``min_size`` rows (a ring smaller than ``min_size``: until ``min_size`` rows
+  were written), or ``error < min_diff``, ``sample(timeout=...)`` waits and
   raises ``SampleTimeout`` at the deadline; without a timeout it raises
   :class:`RateLimited` at once.
 
@@ -42,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from ingestd.errors import SampleTimeout
+from ingestd.errors import SampleTimeout, StorageNotFound
 from ingestd.replay import files
 
 FILE = "limiter.bin"
@@ -101,13 +102,13 @@ def ensure_file(path: str | os.PathLike) -> None:
     d = LimiterParams()
     words[W_MIN_SIZE] = d.min_size
     f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
-    tmp.write_bytes(words.tobytes())
     try:
+        tmp.write_bytes(words.tobytes())
         os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
     except FileExistsError:
         pass
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 class Limiter:
@@ -115,6 +116,7 @@ class Limiter:
 
     def __init__(self, path: Path, inserts: Callable[[], int] | None = None):
         self.path = Path(path)
+        self._inserts = inserts or _header_write_count(self.path)  # first: it may fail
         self._fd = os.open(self.path / FILE, os.O_RDWR)
         try:
             self._mm = mmap.mmap(self._fd, 8 * WORDS, flags=mmap.MAP_SHARED)
@@ -126,11 +128,11 @@ class Limiter:
         if self._i[W_MAGIC] != MAGIC:
             self.close()
             raise ValueError(f"{self.path / FILE} is not a limiter file")
-        self._inserts = inserts or _header_write_count(self.path)
 
     @classmethod
     def attach(cls, path: str | os.PathLike, inserts: Callable[[], int] | None = None) -> "Limiter":
         """Open ``<path>/limiter.bin``, creating it (disabled) when missing."""
+        inserts = inserts or _header_write_count(Path(path))  # not a storage: fail before creating the file
         ensure_file(path)
         return cls(path, inserts)
 
@@ -189,10 +191,12 @@ class Limiter:
         return None
 
     def sample_blocked(self, rows: int) -> str | None:
-        """Why a reader must wait before sampling, or None."""
+        """Why a reader must wait before sampling, or None. ``rows``: the rows the storage holds;
+        a ring smaller than ``min_size`` has enough once ``min_size`` rows were written (else
+        readers and workers, who count inserts, could wait on each other for ever)."""
         if not self._i[W_ENABLED]:
             return None
-        if rows < self._i[W_MIN_SIZE]:
+        if rows < self._i[W_MIN_SIZE] and self._inserts() < self._i[W_MIN_SIZE]:
             return f"the replay holds {rows} rows, fewer than the limiter's min_size {int(self._i[W_MIN_SIZE])}"
         error = self.error()
         if error < self._f[W_MIN_DIFF]:
@@ -244,7 +248,11 @@ class Limiter:
 
 def _header_write_count(path: Path) -> Callable[[], int]:
     """``write_count`` read straight from ``header.bin`` (for handles without a storage)."""
-    fd = os.open(path / "header.bin", os.O_RDONLY)
+    try:
+        fd = os.open(path / "header.bin", os.O_RDONLY)
+    except FileNotFoundError:
+        raise StorageNotFound(f"no replay storage at {str(path)!r} (header.bin is missing): give the "
+                              "storage's path, or inserts=") from None
     try:
         mm = mmap.mmap(fd, 8 * files.HEADER_WORDS, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:

@@ -34,6 +34,7 @@ priority it entered with.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ingestd.errors import StorageFull
 from ingestd.replay import files
 
 K = 16
@@ -159,6 +161,8 @@ class PriorityTree:
             raise IndexError(f"slot indices must be in [0, {self.capacity})")
         if not np.isfinite(leaves).all() or (leaves < 0).any():
             raise ValueError("priorities must be finite and >= 0")
+        if expected_seq is not None and np.size(expected_seq) != slots.size:
+            raise ValueError(f"{slots.size} indices but {np.size(expected_seq)} write indices")
         with self.locked():
             if seq is not None:
                 keep = seq[slots] == expected_seq
@@ -246,9 +250,26 @@ def _exclusive_sums(children: np.ndarray) -> np.ndarray:
 
 
 def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:
-    tmp = path / (FILE + ".tmp")
-    with open(tmp, "wb") as f:
-        f.truncate(file_bytes(capacity))
+    """Write a new tree to ``priority.bin.tmp`` and rename it into place. Its blocks are
+    allocated first (as the storage's files are): a full tmpfs is a ``StorageFull`` here,
+    not a SIGBUS in whichever process first touches an unbacked page of a sparse file."""
+    tmp, size = path / (FILE + ".tmp"), file_bytes(capacity)
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+            files._reserve(f.fileno(), size)
+        _fill(tmp, capacity, seq)
+        os.replace(tmp, path / FILE)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise StorageFull(f"no room for the priority tree of a replay of {capacity} rows at {path}: it needs "
+                              f"{size / 2**20:.1f} MiB ({exc.strerror}); free space there, or move the storage "
+                              "to a replay.path with space") from exc
+        raise
+
+
+def _fill(tmp: Path, capacity: int, seq: np.ndarray | None) -> None:
     tree = np.memmap(tmp, dtype=np.int64, mode="r+", shape=(file_bytes(capacity) // 8,))
     tree[H_MAGIC], tree[H_CAPACITY] = MAGIC, capacity
     _, sizes = tree_shape(capacity)
@@ -267,4 +288,3 @@ def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:
             level = parent
     tree.flush()
     del tree, floats
-    os.replace(tmp, path / FILE)

@@ -379,7 +379,8 @@ def sampling_metrics(storage, current: int, stats) -> list:
     out += [
         GaugeMetricFamily("ingestd_limiter_enabled", "1 while the rate limiter is enabled.", value=int(lim.enabled)),
         GaugeMetricFamily("ingestd_limiter_error", "Rate limiter error: inserts * samples_per_insert - samples "
-                          "(re-anchored on every change); kept within [min_diff, max_diff].", value=lim.error()),
+                          "(re-anchored on every change); kept within [min_diff, max_diff]. NaN while the "
+                          "limiter is disabled.", value=lim.error() if lim.enabled else float("nan")),
         CounterMetricFamily("ingestd_limiter_samples",
                             "Rows sampled by rate-limited readers while the limiter is enabled.", value=lim.samples),
         CounterMetricFamily("ingestd_limiter_reader_blocked_seconds", "Time readers waited on the rate limiter.",

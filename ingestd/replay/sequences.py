@@ -190,7 +190,9 @@ class SequenceSampler:
         done = f[DONE](records).reshape(m, length, -1).any(-1)
         ok &= (got_wi == wi).all(1)
         ok &= (worker == worker[:, :1]).all(1) & (env == env[:, :1]).all(1)
-        same = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1) & ~done[:, :-1]
+        # not "& ~done": an n-step row is done when its episode ended within its window, which
+        # may be before the episode's last step (ingestd.collect.nstep); the stamps decide
+        same = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
         if cross:
             same |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
         ok &= same.all(1)

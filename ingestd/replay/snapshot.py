@@ -28,8 +28,9 @@ synced, and renamed into place: a directory with the destination's name is alway
 complete. A restore builds the new storage the same way.
 
 Priorities are kept: the restored rows have the leaves (``(priority + eps) ** alpha``) they
-had, and new rows enter at the same maximum. Not in a snapshot: the rate limiter's
-counters (a restored storage starts with the limiter's error at 0).
+had (a row whose leaf was still 0, committed by a writer that died before entering it, gets
+the maximum, as recovery gives it), and new rows enter at the same maximum. Not in a
+snapshot: the rate limiter's counters (a restored storage starts with the limiter's error at 0).
 """
 from __future__ import annotations
 
@@ -256,9 +257,13 @@ def _save_priorities(replay_path: Path, capacity: int, path: Path) -> float | No
 
 def _restore_priorities(tree: priority.PriorityTree, seq: np.ndarray, leaves: np.ndarray | None,
                         top: float | None) -> None:
-    """The kept rows' leaves (the default maximum without saved priorities), and the maximum."""
+    """The kept rows' leaves, and the maximum. A kept row without a leaf (no saved priorities,
+    or a 0 leaf: committed by a writer that died before entering it) gets the maximum, as
+    recovery gives it."""
     kept = np.flatnonzero(seq)
-    tree.update(kept, leaves[kept] if leaves is not None else np.full(kept.size, priority.DEFAULT_MAX))
+    top_leaf = priority.DEFAULT_MAX if top is None else top
+    values = np.zeros(kept.size) if leaves is None else leaves[kept]
+    tree.update(kept, np.where(values > 0, values, top_leaf))
     if top is not None:
         with tree.locked():
             tree._max[0] = top
