@@ -23,6 +23,7 @@ from ingestd.errors import (ClosedError, CorruptStorage, EmptyReplay, SampleTime
                             StorageNotFound)
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.layout import WRITE_INDEX
+from ingestd.replay.priority import PriorityTree
 
 WI = WRITE_INDEX
 
@@ -303,11 +304,17 @@ def test_reserved_slots_are_filled_in_place_then_committed(shm_dir):
         assert exact.get(WI).tolist() == list(range(48)) and not rp.bad_rows(exact, reader.schema).any()
 
 
-@pytest.mark.parametrize("case", ["error in the block", "no commit", "wrong row count"])
+# case -> what leaving the block raises (each its own error, not whichever of them)
+UNCOMMITTED = {"error in the block": (RuntimeError, "env failed"), "no commit": None,
+               "wrong row count": (SchemaMismatch, "a batch of 7 rows cannot fill 8")}
+
+
+@pytest.mark.parametrize("case", UNCOMMITTED)
 def test_uncommitted_reservations_are_cleared(shm_dir, case):
     path = filled(shm_dir / "r", "pixels", capacity=64, rows=60)
+    raised = UNCOMMITTED[case]
     with ReplayStorage.open(path) as store:
-        with pytest.raises((RuntimeError, SchemaMismatch)) if case != "no commit" else contextlib.nullcontext():
+        with pytest.raises(raised[0], match=raised[1]) if raised else contextlib.nullcontext():
             with store.reserved(8) as slots:
                 assert slots.columns == {}  # 60..67 wraps around the ring: no views
                 if case == "error in the block":
@@ -315,6 +322,10 @@ def test_uncommitted_reservations_are_cleared(shm_dir, case):
                 if case == "wrong row count":
                     slots.commit(rp.template(store.schema, 7))
         assert store.write_count == 68 and (store.seq[[60, 61, 62, 63, 0, 1, 2, 3]] == 0).all()
+        tree = PriorityTree.attach(path, 64, store.seq)
+        assert (tree.levels[0][[60, 61, 62, 63, 0, 1, 2, 3]] == 0).all()  # no mass for draws to land on
+        assert tree.total == pytest.approx(float(tree.levels[0].sum())) and tree.total > 0
+        tree.close()
         store.write(rp.rows(store.schema, np.arange(68, 72)))  # the slots were unlocked too
     with ReplayReader(path) as reader:
         assert not rp.bad_rows(reader.sample(200), reader.schema).any()

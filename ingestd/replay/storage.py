@@ -285,6 +285,7 @@ class ReplayStorage(MappedStore):
             finally:
                 if slots is None or not slots.committed:
                     self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
+                    self._priorities.clear(index % self.capacity)  # nor the overwritten rows' priority mass
                 self._release(index)
         if slots.committed:
             self._priorities.enter(int(index[0]) % self.capacity, index.size)
