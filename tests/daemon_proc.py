@@ -109,7 +109,11 @@ class DaemonProc:
         return self
 
     def __enter__(self) -> "DaemonProc":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # __exit__ is not called when __enter__ fails: its directory would stay in /dev/shm
+            raise
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -184,6 +188,7 @@ class DaemonProc:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+        if getattr(self, "_log", None) is not None:
             self._log.close()
         if self.notify_sock is not None:
             self.notify_sock.close()

@@ -114,7 +114,11 @@ class PrometheusProc:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "PrometheusProc":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # __exit__ is not called when __enter__ fails: its directory would stay in /dev/shm
+            raise
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -6,7 +6,7 @@ import pytest
 import control_plugins
 from control_daemon import PLUGIN_ENV, SETTINGS, shared_paused, wait_for
 from daemon_proc import DaemonProc
-from ingestd import ControlClient
+from ingestd import ControlClient, DaemonUnavailable
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def client(daemon_and_client):
 def _states(c: ControlClient) -> list[str]:
     try:
         return [w.state for w in c.status().workers]
-    except Exception:
+    except DaemonUnavailable:  # not listening yet; any other error is a failure, not a reason to wait
         return []
 
 
@@ -97,6 +97,7 @@ def test_a_command_in_flight_when_the_server_stops_still_gets_its_reply(tmp_path
         assert (reply.id, reply.code) == (1, "unavailable"), reply
     finally:
         sock.close(0)
+        server.stop()  # again if it was stopped above (a no-op): its sockets never outlive a failure
 
 
 STOP_WITHIN_S = 3.0

@@ -74,9 +74,11 @@ def status_load(address: str, rate: float, start: float, window: float, rounds: 
                 client: str = "lean") -> None:
     """Open loop: ``rate`` status requests/s during the loaded windows
     ``[start + (2k+1) * window, start + (2k+2) * window)``, k < ``rounds``; saves to ``out`` (npz)
-    each request's latency (send to reply, seconds), its lateness against the schedule, and the
-    CPU seconds this client spent in the loaded windows."""
-    latency, late, cpu = [], [], 0.0
+    each request's latency (send to reply, seconds), its lateness against the schedule, the
+    CPU seconds this client spent in the loaded windows, and ``in_window``: how many requests
+    were sent before their window closed. (The number of requests is fixed by the schedule; a
+    client that falls behind sends them late, after its window, where they load nothing.)"""
+    latency, late, cpu, in_window = [], [], 0.0, 0
     probe = PROBES[client](address)
     try:
         for k in range(rounds):
@@ -90,17 +92,18 @@ def status_load(address: str, rate: float, start: float, window: float, rounds: 
                 probe.status()
                 latency.append(time.monotonic() - sent)
                 late.append(sent - due)
+                in_window += sent < t1
                 n += 1
             cpu += time.process_time() - cpu0
     finally:
         probe.close()
-    np.savez(out, latency=np.array(latency), late=np.array(late), cpu_s=np.array(cpu))
+    np.savez(out, latency=np.array(latency), late=np.array(late), cpu_s=np.array(cpu), in_window=np.array(in_window))
 
 
 @contextlib.contextmanager
-def fake_daemon(ok: bool):
+def fake_daemon(ok: bool, reply_after_s: float = 0.0):
     """A ROUTER on a random TCP port answering every status request like the daemon: success,
-    or (``ok=False``) an error."""
+    or (``ok=False``) an error; each reply ``reply_after_s`` seconds after its request."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -112,6 +115,7 @@ def fake_daemon(ok: bool):
         while not stop.is_set():
             if router.poll(50):
                 route, head = router.recv_multipart()
+                time.sleep(reply_after_s)
                 request_id = int(head.split(b'"id":', 1)[1].split(b",", 1)[0])
                 router.send_multipart([route, b'{"v":1,"id":%d,"ok":%s,%s' % (request_id, b"true" if ok else b"false",
                                                                           body)])
@@ -134,6 +138,18 @@ def test_status_load_keeps_its_schedule(tmp_path):
     got = np.load(out)
     assert 90 <= got["latency"].size <= 101  # 2 loaded windows of 0.25 s at 200 requests/s
     assert got["late"].min() >= 0 and float(got["cpu_s"]) > 0
+    assert 0 < int(got["in_window"]) <= got["latency"].size
+
+
+def test_a_client_behind_its_schedule_is_seen_to_be(tmp_path):
+    """A daemon answering in 20 ms cannot take 200 requests/s from one client: all 20 requests of
+    a 0.1 s window still go out (the schedule fixes their number), but at most 6 inside it."""
+    out = tmp_path / "load.npz"
+    with fake_daemon(ok=True, reply_after_s=0.02) as address:
+        status_load(address, 200.0, time.monotonic(), 0.1, 1, str(out))
+    got = np.load(out)
+    assert got["latency"].size == 20 and int(got["in_window"]) <= 6, dict(got)
+    assert got["late"].max() >= 0.2  # the last one went out a whole window late
 
 
 def test_status_probe_refuses_an_error_reply():

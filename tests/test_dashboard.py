@@ -181,10 +181,13 @@ NOT_A_RATE = {"percent", "percentunit", "s", "ms", "µs", "ns", "dtdurations", "
 def test_per_second_series_are_not_shown_as_percent_or_time(dash):
     """A series whose legend says "/s" must not inherit a panel unit like percentunit (a trainer's
     25,600 rows/s would read as 2,560,000 %)."""
+    checked = 0
     for panel, ref, _ in panel_exprs(dash):
         target = next(t for t in panel["targets"] if t["refId"] == ref)
         if "/s" in target.get("legendFormat", ""):
             assert series_unit(panel, ref) not in NOT_A_RATE, (panel["title"], ref, series_unit(panel, ref))
+            checked += 1
+    assert checked, "no series has a legend with /s: this test checked nothing"
 
 
 def test_rate_limiter_panels_sit_in_the_sampling_row(dash):
@@ -199,10 +202,13 @@ def test_rate_limiter_panels_sit_in_the_sampling_row(dash):
 
 def test_an_on_off_series_has_its_own_axis(dash):
     """The limiter's 0/1 "enabled" line would be flat at the bottom of an error axis in the millions."""
+    checked = 0
     for panel, ref, expr in panel_exprs(dash):
         if "ingestd_limiter_enabled" in expr and len(panel["targets"]) > 1:
             override = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == ref)
             assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"], panel["title"]
+            checked += 1
+    assert checked, "no panel shows ingestd_limiter_enabled beside another series: this test checked nothing"
 
 
 def test_exprs_use_only_known_variables(dash):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -196,16 +197,16 @@ def test_full_block_scrape_is_cheap_and_lints(block):
     telemetry.observe_request("ping", "ok")
     telemetry.observe_request("pause", "timeout")
     telemetry.observe_push(0.03)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: what others run on a shared machine does not count
     found, text, _ = scrape(block, telemetry=telemetry)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert len(by_worker(found, "ingestd_frames_total")) == MAX_WORKERS
     assert value(found, "ingestd_control_requests_total", cmd="push_weights", outcome="ok") == 0  # pre-initialised
     assert value(found, "ingestd_control_requests_total", cmd="pause", outcome="timeout") == 1
     assert value(found, "ingestd_weight_push_seconds_bucket", le="0.05") == 1
     assert value(found, "ingestd_weight_push_seconds_bucket", le="0.025") == 0
     assert value(found, "ingestd_replay_rows") == 100 and value(found, "ingestd_replay_writes_total") == 150
-    assert elapsed < 1.0, f"a full scrape of {MAX_WORKERS} workers took {elapsed:.3f} s"
+    assert elapsed < 2.0, f"a full scrape of {MAX_WORKERS} workers took {elapsed:.3f} s of CPU (~0.1 s expected)"
     if not MISSING:
         result = promtool("check", "metrics", stdin=text)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -250,8 +251,10 @@ def test_exporter_serves_its_own_registry_and_stops(block):
         assert "python_gc_objects_collected_total" not in text  # not the global registry
     finally:
         exporter.stop()
-    with pytest.raises(OSError):
+    # refused, not merely unanswered: a port still listening after stop() would time out instead
+    with pytest.raises(urllib.error.URLError) as refused:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    assert isinstance(refused.value.reason, ConnectionRefusedError), refused.value
 
 
 def test_exporter_port_in_use_is_a_config_error(block):

@@ -90,8 +90,8 @@ def test_worker_chaos_kills_and_a_hang():
             d.remember_children()
 
             frames = [int(stats[i]["frames"]) for i in range(WORKERS)]
-            time.sleep(0.5)
-            assert all(int(stats[i]["frames"]) > frames[i] for i in range(WORKERS)), "a worker is not collecting"
+            wait_for(lambda: all(int(stats[i]["frames"]) > frames[i] for i in range(WORKERS)), 10,
+                     "every worker to collect again")
             expected = {i: kills[i] + (i == hung) for i in range(WORKERS)}
             with ControlClient(d.control_address, timeout=5.0) as client:
                 status = client.status()

@@ -400,7 +400,9 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
     late = np.concatenate([r["late"] for r in results])
     client_cpu = sum(float(r["cpu_s"]) for r in results)
     p50, p99, worst = percentiles(latency, 50, 99, 100)
-    achieved = latency.size / (rounds * WINDOW_S)
+    # sent inside the loaded windows (latency.size is fixed by the schedule: a client that falls
+    # behind still sends every request, late, and would seem to reach the rate)
+    achieved = sum(int(r["in_window"]) for r in results) / (rounds * WINDOW_S)
     slowdown = 1 - float(np.median([b / a for a, b in zip(idle, loaded)]))  # adjacent idle/loaded pairs
     drift = rss.drift(warmup_s=min(5.0, rounds * WINDOW_S / 2))
     after = client.status()
@@ -419,8 +421,10 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
            worker_drift_pct=[round(100 * drift[p], 2) for p in pids[1:]],
            daemon_rss_anon_mib=round(rss.samples[pids[0]][-1][1] / 1024, 1),
            worker_rss_anon_mib=[round(rss.samples[p][-1][1] / 1024, 1) for p in pids[1:]])
-    assert achieved >= 0.95 * RATE, f"the clients managed only {achieved:.0f} requests/s"
     assert all(d <= 0.05 for d in drift.values()), f"RSS grew: {drift}"
-    judge_timing(external, {"status p99 <= 5 ms": p99 <= 0.005, "ingest slowdown <= 5 %": slowdown <= 0.05},
+    # how fast the clients could send depends on the machine: a timing figure like the others
+    judge_timing(external, {"status p99 <= 5 ms": p99 <= 0.005, "ingest slowdown <= 5 %": slowdown <= 0.05,
+                            f"clients kept {RATE:.0f} requests/s": achieved >= 0.95 * RATE},
                  f"p50 {1e3 * p50:.2f} ms, p99 {1e3 * p99:.2f} ms, ingest {np.mean(idle):.0f} -> "
-                 f"{np.mean(loaded):.0f} rows/s ({100 * slowdown:.1f} % slower)")
+                 f"{np.mean(loaded):.0f} rows/s ({100 * slowdown:.1f} % slower), {achieved:.0f} requests/s "
+                 "sent in the loaded windows")

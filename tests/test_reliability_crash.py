@@ -137,8 +137,10 @@ def test_sigterm_during_a_command_stops_cleanly(command):
         thread.start()
         if command is _push:  # published, now waiting for the workers to apply it between chunks
             wait_for(lambda: read_version(d) > before, 10, "the push to be published")
-        else:
-            time.sleep(0.1)
+        else:  # taken by the daemon, now waiting for the workers to end their chunks (a fixed sleep
+            # could send the SIGTERM before the pause was even sent, and the test would still pass)
+            with ControlClient(d.control_address, timeout=5.0) as probe:
+                wait_for(lambda: probe.status().desired == "pause", 10, "the pause to reach the daemon", 0.005)
         assert not outcome, "the command finished before the SIGTERM: it was not in flight"
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
