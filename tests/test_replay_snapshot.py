@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -165,6 +166,29 @@ def test_existing_destinations_are_never_replaced(shm_dir):
     with pytest.raises(StorageNotFound):
         snapshot.save(shm_dir / "nothing", shm_dir / "snap2")
     assert not (shm_dir / "snap2").exists() and leftovers(shm_dir) == []
+
+
+def test_threads_racing_to_one_destination_leave_one_complete_snapshot(shm_dir):
+    """Each thread writes its own partial directory: the first rename wins, the others are told
+    the destination appeared, and none deletes another's work in progress."""
+    src = filled(shm_dir / "src", "pixels", 200, rows=200)
+    start, outcomes = threading.Barrier(4), []
+
+    def save() -> None:
+        start.wait()
+        try:
+            outcomes.append(snapshot.save(src, shm_dir / "snap").rows)
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=save) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes, key=str) == [200] + ["SnapshotExists"] * 3, outcomes
+    assert snapshot.restore(shm_dir / "snap", shm_dir / "dst").rows == 200 and leftovers(shm_dir) == []
+    assert check_all_rows(shm_dir / "dst") == (200, 0)
 
 
 def test_a_restored_storage_samples_prioritized_at_once(shm_dir):

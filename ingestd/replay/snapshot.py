@@ -23,7 +23,7 @@ the copy, or was odd (being written), is left out (its number is stored as 0, so
 reads as never written). Every row in a snapshot is a committed row, intact. Rows a
 worker commits while the snapshot runs may or may not be in it.
 
-**Atomic.** A snapshot is written to ``.<name>.partial-<pid>`` beside its destination,
+**Atomic.** A snapshot is written to ``.<name>.partial-<pid>-<tid>`` beside its destination,
 synced, and renamed into place: a directory with the destination's name is always
 complete. A restore builds the new storage the same way.
 
@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -304,7 +305,8 @@ def _read_lz4(path: Path, sizes: list[int]) -> list[bytes]:
 
 
 def _partial(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    """Private to this thread: two threads snapshotting to one destination never share it."""
+    return dest.with_name(f".{dest.name}.partial-{os.getpid()}-{threading.get_native_id()}")
 
 
 def _publish(tmp: Path, dest: Path) -> None:
