@@ -57,6 +57,26 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def failed_starts(cases: dict, env: dict | None = None):
+    """Start every ``ingestd run`` of ``cases`` (``{case: (argv prefix, settings, preexec_fn, tmp)}``,
+    settings as for ``--set``) at once (each imports torch: seconds of CPU), and return
+    ``{case: (exit status, stderr, tmp)}``. A generator for a fixture: whatever still runs when
+    it ends is killed by PID."""
+    procs = {}
+    try:
+        for case, (prefix, settings, preexec, tmp) in cases.items():
+            argv = [*prefix, sys.executable, "-m", "ingestd.service.cli", "run",
+                    *(a for setting in settings for a in ("--set", setting))]
+            procs[case] = (tmp, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                                 env={**os.environ, **(env or {})}, preexec_fn=preexec))
+        yield {case: (proc.wait(120), proc.communicate()[1], tmp) for case, (tmp, proc) in procs.items()}
+    finally:
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
 class DaemonProc:
     """``with DaemonProc(overrides={...}) as d: d.wait_ready()``."""
 

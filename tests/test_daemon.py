@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from daemon_proc import DaemonProc, pid_alive, wait_for
+from daemon_proc import DaemonProc, failed_starts, pid_alive, wait_for
 from ingestd.collect.stats import State, StatsBlock
 from ingestd.replay import ReplayReader
 
@@ -289,22 +289,14 @@ STARTUP_FAILURES = {
 @pytest.fixture(scope="module")
 def startup_failures(tmp_path_factory):
     """``{case: (exit status, stderr, its directory)}`` of every ``STARTUP_FAILURES`` case."""
-    procs = {}
-    try:
-        for case, (settings, _, _) in STARTUP_FAILURES.items():
-            tmp = tmp_path_factory.mktemp("startup")
-            (tmp / "a-file").write_text("")
-            args = [f'service.data_dir="{tmp}/data"', f'service.runtime_dir="{tmp}/run"', "metrics.enabled=false",
-                    *(setting.replace("{tmp}", str(tmp)) for setting in settings)]
-            procs[case] = (tmp, subprocess.Popen(
-                [sys.executable, "-m", "ingestd.service.cli", "run", *(a for arg in args for a in ("--set", arg))],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **PLUGIN_ENV}))
-        yield {case: (proc.wait(120), proc.communicate()[1], tmp) for case, (tmp, proc) in procs.items()}
-    finally:
-        for _, proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    cases = {}
+    for case, (settings, _, _) in STARTUP_FAILURES.items():
+        tmp = tmp_path_factory.mktemp("startup")
+        (tmp / "a-file").write_text("")
+        args = [f'service.data_dir="{tmp}/data"', f'service.runtime_dir="{tmp}/run"', "metrics.enabled=false",
+                *(setting.replace("{tmp}", str(tmp)) for setting in settings)]
+        cases[case] = ([], args, None, tmp)
+    yield from failed_starts(cases, PLUGIN_ENV)
 
 
 @pytest.mark.parametrize("case", STARTUP_FAILURES)

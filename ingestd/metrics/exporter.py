@@ -48,10 +48,9 @@ class MetricsExporter:
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            hint = ("another process holds the port: choose another metrics.port or stop that process"
-                    if exc.errno == errno.EADDRINUSE else "check metrics.address")
-            raise ConfigError("metrics.port", f"cannot serve metrics on {_url(host, port)}: "
-                                              f"{exc.strerror or exc}; {hint}") from exc
+            key, hint = _bind_failure(exc.errno)
+            raise ConfigError(key, f"cannot serve metrics on {_url(host, port)}: {exc.strerror or exc}; "
+                                   f"{hint}") from exc
         bound_host, bound_port = self.address
         log.info("serving metrics on %s/metrics", _url(bound_host, bound_port))
         if bound_host in ("0.0.0.0", "::"):
@@ -66,6 +65,17 @@ class MetricsExporter:
             server.server_close()
         if thread is not None:
             thread.join(5.0)
+
+
+def _bind_failure(code: int | None) -> tuple[str, str]:
+    """(the key at fault, what to do) for a failed bind of the metrics server."""
+    if code == errno.EADDRINUSE:
+        return "metrics.port", "another process holds the port: choose another metrics.port or stop that process"
+    if code == errno.EACCES:
+        return "metrics.port", ("ports below 1024 need CAP_NET_BIND_SERVICE, which the daemon does not have "
+                                "(the systemd unit grants none): choose a metrics.port of 1024 or more")
+    return "metrics.address", ("metrics.address must name an address of this host (127.0.0.1 for loopback, "
+                               "0.0.0.0 or :: for all interfaces)")
 
 
 def _url(host: str, port: int) -> str:

@@ -219,7 +219,14 @@ def lock_runtime_dir(runtime_dir) -> int:
     from pathlib import Path
 
     make_dir(runtime_dir, "service.runtime_dir")
-    fd = os.open(Path(runtime_dir) / "ingestd.lock", os.O_RDWR | os.O_CREAT, 0o640)
+    lock = Path(runtime_dir) / "ingestd.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o640)
+    except OSError as exc:  # a directory (or a lock file) this user may not write: no restart fixes it
+        raise ConfigError("service.runtime_dir", f"cannot open {lock}: {exc.strerror or exc}; the daemon "
+                                                 f"(uid {os.getuid()}) needs write access to {runtime_dir}: "
+                                                 "fix its owner or mode, or choose another "
+                                                 "service.runtime_dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

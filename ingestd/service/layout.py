@@ -2,6 +2,7 @@
 where they live, and what each worker process is handed."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -14,12 +15,13 @@ from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env_and_policy
-from ingestd.errors import ConfigError, CorruptStorage
+from ingestd.errors import ConfigError, CorruptStorage, IngestdError
 from ingestd.replay.storage import ReplayStorage
 
 log = logging.getLogger("ingestd.daemon")
 WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
 POLICY_VERSION = ("ingestd", "policy_version")
+_NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a replay path this user cannot write
 
 
 @dataclass
@@ -72,7 +74,7 @@ def build_layout(config, paths) -> Layout:
     check_device(config.workers.device)
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
     example, policy = _example_rows(probe, config.service.seed)
-    storage = ReplayStorage.open_or_create(paths.replay, example, config.replay.capacity, recover=True)
+    storage = _open_replay(paths.replay, example, config.replay.capacity)
     stats = StatsBlock(paths.stats, create=True)
     weights = manifest = None
     if isinstance(policy, torch.nn.Module) and policy.state_dict():
@@ -91,6 +93,26 @@ def build_layout(config, paths) -> Layout:
     limiter = Limiter.attach(paths.replay, inserts=lambda: storage.write_count)
     limiter.configure(params_of(config.limiter))
     return Layout(config, paths, storage, stats, weights, manifest, policy, limiter)
+
+
+def _open_replay(path, example, capacity: int) -> ReplayStorage:
+    """Reopen (recovering) or create the replay. A path that cannot hold it (a file, a directory
+    with other files, a damaged storage, no write access) is a config error naming replay.path:
+    no restart fixes it. Nothing there is changed. (SchemaMismatch and StorageFull keep their
+    own types; ``ingestd run`` exits 78 for them too.)"""
+    try:
+        return ReplayStorage.open_or_create(path, example, capacity, recover=True)
+    except CorruptStorage as exc:
+        raise ConfigError("replay.path", f"{exc} (nothing there was changed; restore the storage, move it "
+                                         "away, or point replay.path at a new directory)") from None
+    except FileExistsError as exc:  # a file, or a directory holding other files
+        raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
+    except OSError as exc:
+        if exc.errno not in _NO_ACCESS or isinstance(exc, IngestdError):
+            raise
+        raise ConfigError("replay.path", f"cannot use {path} as the replay storage: {exc.strerror}: "
+                                         f"{exc.filename}; the daemon (uid {os.getuid()}) needs write access "
+                                         "there: fix the owner or mode, or choose another replay.path") from None
 
 
 def make_dir(directory, key: str) -> None:

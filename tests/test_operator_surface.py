@@ -1,0 +1,135 @@
+"""The operator's surface outside the control plane: ``ingestd run`` start-up failures that
+no restart fixes exit 78 (EX_CONFIG, which the systemd unit does not retry) with the key at
+fault and what to do, never a traceback; and docs/systemd.md says what the daemon does.
+
+Every case is a real ``ingestd run`` in a subprocess. Each imports torch (seconds of CPU),
+so the module starts them all at once (``startup``), as tests/test_daemon.py does.
+"""
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from daemon_proc import failed_starts
+
+ROOT = Path(__file__).resolve().parent.parent
+SETPRIV = shutil.which("setpriv")
+AS_ROOT = os.geteuid() == 0
+NO_DAC = ("dac_override", "dac_read_search")  # root would write a 0555 directory anyway
+
+
+def unprivileged_port_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    except (OSError, ValueError):
+        return 1024
+
+
+def no_room() -> None:
+    """In the child: files past 1 MiB fail with EFBIG (as on a full tmpfs), instead of SIGXFSZ."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def damaged_replay(tmp: Path) -> None:
+    (tmp / "replay").mkdir()
+    (tmp / "replay" / "meta.json").write_text('{"format": "ingestd-replay", ')  # cut short
+    (tmp / "replay" / "data.bin").write_bytes(b"rows someone may still want" * 100)
+
+
+# case -> (settings, capabilities to drop when root, setup(tmp), how the key is named, why / what to do)
+CASES = {
+    "metrics address not on this host": (['metrics.address="192.0.2.1"'], (), None, "config key 'metrics.address'",
+                                         "must name an address of this host"),
+    "metrics port below 1024": (["metrics.port=81"], ("net_bind_service",), None, "config key 'metrics.port'",
+                                "choose a metrics.port of 1024 or more"),
+    "runtime dir not writable": (['service.runtime_dir="{tmp}/ro"'], NO_DAC, None, "config key 'service.runtime_dir'",
+                                 "needs write access"),
+    "replay dir not writable": (['replay.path="{tmp}/ro/replay"'], NO_DAC, None, "config key 'replay.path'",
+                                "needs write access"),
+    "replay path holds other files": (['replay.path="{tmp}/other"'], (), None, "config key 'replay.path'", "not empty"),
+    "replay damaged": (['replay.path="{tmp}/replay"'], (), damaged_replay, "config key 'replay.path'",
+                       "nothing there was changed"),
+    "replay does not fit": (["replay.capacity=1000000"], (), None, "lower replay.capacity", "no room for a replay"),
+}
+
+
+def skip_reason(case: str) -> str | None:
+    settings, caps, _, _, _ = CASES[case]
+    if caps and AS_ROOT and SETPRIV is None:
+        return "needs setpriv (util-linux) to drop root's capabilities"
+    if case == "metrics port below 1024" and unprivileged_port_start() <= 81:
+        return "net.ipv4.ip_unprivileged_port_start lets anyone bind port 81 here"
+    return None
+
+
+def prefix(case: str) -> list[str]:
+    """Run as root without the capabilities the case is about (none otherwise)."""
+    caps = CASES[case][1]
+    if not (caps and AS_ROOT):
+        return []
+    drop = ",".join(f"-{cap}" for cap in caps)
+    return [SETPRIV, "--bounding-set", drop, "--inh-caps", drop]
+
+
+@pytest.fixture(scope="module")
+def startup(tmp_path_factory):
+    """``{case: (exit status, stderr, its directory)}`` for every case that can run here."""
+    cases, made = {}, []
+    for case, (settings, _, setup, _, _) in CASES.items():
+        if skip_reason(case):
+            continue
+        tmp = tmp_path_factory.mktemp("op")
+        made.append(tmp)
+        (tmp / "ro").mkdir(mode=0o555)
+        (tmp / "ro").chmod(0o555)
+        (tmp / "other").mkdir()
+        (tmp / "other" / "notes.txt").write_text("not a replay")
+        if setup is not None:
+            setup(tmp)
+        args = [f'service.data_dir="{tmp}/data"', f'service.runtime_dir="{tmp}/run"', "metrics.port=0",
+                "workers.count=1", "workers.num_envs=4", "workers.chunk_steps=4", "replay.capacity=4096",
+                *(s.replace("{tmp}", str(tmp)) for s in settings)]
+        cases[case] = (prefix(case), args, no_room if case == "replay does not fit" else None, tmp)
+    try:
+        yield from failed_starts(cases)
+    finally:
+        for tmp in made:
+            (tmp / "ro").chmod(0o755)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_startup_failure_exits_78_naming_the_key_without_a_traceback(case, startup):
+    if reason := skip_reason(case):
+        pytest.skip(reason)
+    _, _, _, named, why = CASES[case]
+    status, stderr, tmp = startup[case]
+    assert status == 78, stderr
+    assert named in stderr and why in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not (tmp / "run" / "control.sock").exists(), "the control socket outlived the failed start"
+
+
+def test_a_damaged_replay_is_left_as_it_was(startup):
+    status, stderr, tmp = startup["replay damaged"]
+    assert status == 78, stderr
+    replay = tmp / "replay"
+    assert sorted(p.name for p in replay.iterdir()) == ["data.bin", "meta.json"]
+    assert (replay / "data.bin").read_bytes() == b"rows someone may still want" * 100
+    assert (replay / "meta.json").read_text() == '{"format": "ingestd-replay", '
+
+
+def test_systemd_docs_say_a_replay_too_big_for_run_fails_at_start(startup):
+    """docs/systemd.md told operators that an oversized replay in /run starts and later dies
+    with SIGBUS; the daemon allocates the files at creation and refuses to start (exit 78)."""
+    status, stderr, _ = startup["replay does not fit"]
+    assert status == 78 and "no room for a replay of 1000000 rows" in stderr, stderr
+    doc = " ".join((ROOT / "docs" / "systemd.md").read_text().split())
+    section = doc[doc.index("**Size `/run` for the replay.**"):doc.index("**Never put the replay under")]
+    assert "SIGBUS" not in section and "sparse" not in section, section
+    assert "no room for a replay of" in section and re.search(r"exits with status 78", section), section
