@@ -12,6 +12,8 @@ import re
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,11 @@ def test_systemd_docs_say_a_replay_too_big_for_run_fails_at_start(startup):
     section = doc[doc.index("**Size `/run` for the replay.**"):doc.index("**Never put the replay under")]
     assert "SIGBUS" not in section and "sparse" not in section, section
     assert "no room for a replay of" in section and re.search(r"exits with status 78", section), section
+
+
+@pytest.mark.parametrize("argv", [["run", "--bogus"], [], ["config", "check"], ["replay", "snapshot", "x"]])
+def test_usage_errors_exit_64_like_ingestctl(argv):
+    """EX_USAGE, which the unit does not retry (a typo in ExecStart= stays a typo), not argparse's 2."""
+    done = subprocess.run([sys.executable, "-m", "ingestd.service.cli", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 64 and "usage: ingestd" in done.stderr and "error:" in done.stderr, done

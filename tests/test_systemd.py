@@ -154,7 +154,7 @@ def test_security_exposure_is_2_or_better(tmp_path):
     ("User", "ingestd"), ("Group", "ingestd"), ("UMask", "0027"),
     ("RuntimeDirectory", "ingestd"), ("StateDirectory", "ingestd"), ("ConfigurationDirectory", "ingestd"),
     ("RuntimeDirectoryMode", "0750"), ("RuntimeDirectoryPreserve", "restart"),
-    ("RestartPreventExitStatus", "78"), ("ExecStart", "/usr/local/bin/ingestd run --config /etc/ingestd/ingestd.toml"),
+    ("RestartPreventExitStatus", "64 78"), ("ExecStart", "/usr/local/bin/ingestd run --config /etc/ingestd/ingestd.toml"),
     ("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "yes"),
 ])
 def test_service_setting(key, value):

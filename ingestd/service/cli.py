@@ -8,17 +8,24 @@ import sys
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 EX_TEMPFAIL = 75  # sysexits.h: temporary failure (another daemon holds the runtime dir)
+EX_USAGE = 64  # sysexits.h: bad arguments (as ingestctl); the systemd unit does not retry it
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit 2
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ingestd", description="Experience-ingestion daemon for RL.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="ingestd", description="Experience-ingestion daemon for RL.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run the daemon in the foreground (logs to stderr)")
     run.add_argument("--config", "-c", metavar="FILE", help="TOML config file (default: the embedded default)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config key (repeatable), e.g. --set workers.count=4")
     cfg = sub.add_parser("config", help="print the default config or the config reference, or check a config file")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
     cfg_sub.add_parser("default", help="print the embedded default config (TOML)")
     cfg_sub.add_parser("reference", help="print the config reference (Markdown; docs/config.md is this output)")
     check = cfg_sub.add_parser("check", help="validate a config file; exit 78 if it is wrong")
@@ -26,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config key (repeatable), as for run")
     rep = sub.add_parser("replay", help="snapshot a replay storage, or restore one from a snapshot")
-    rep_sub = rep.add_subparsers(dest="replay_command", required=True)
+    rep_sub = rep.add_subparsers(dest="replay_command", required=True, parser_class=_Parser)
     snap = rep_sub.add_parser("snapshot", help="copy a storage's committed rows into a new snapshot directory "
                                                "(safe while workers write)")
     snap.add_argument("storage", help="the replay storage directory (the config's replay.path)")
@@ -58,6 +65,13 @@ def _replay(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the daemon's own handlers are in place (torch's import)
+        return 128 + 2
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "replay":
         return _replay(args)
