@@ -316,7 +316,12 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg, result, timing = self.cfg, self.result, self.result.timing
+        deadline = time.monotonic() + cfg.seconds  # paused workers would keep this waiting for ever
         while self.reader.write_count < cfg.learning_starts:
+            if time.monotonic() >= deadline:
+                raise ingestd.SampleTimeout(f"the replay has {self.reader.write_count} rows, fewer than "
+                                            f"--learning-starts {cfg.learning_starts}, after {cfg.seconds} s: "
+                                            "are the workers paused (ingestctl status)?")
             time.sleep(0.05)
         self.start = time.monotonic()
         next_check = next_log = self.start
@@ -426,7 +431,7 @@ def main(argv: list[str] | None = None, learner=DQNLearner, description: str = "
     cfg, result_json = parse_args(argv, description)
     try:
         result = train(cfg, log=lambda line: print(line, flush=True), learner=learner)
-    except ingestd.IngestdError as exc:
+    except (ingestd.IngestdError, ValueError) as exc:  # ValueError: a malformed --connect, no --replay
         print(f"{Path(sys.argv[0]).name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if result_json:

@@ -15,13 +15,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_proc import DaemonProc
-from ingestd import ReplayReader
+from ingestd import ReplayReader, SampleTimeout
 from ingestd.collect.envs.cartpole import SPEC, CartPole
 from ingestd.collect.interfaces import EnvContext
 from ingestd.collect.policies import MLP, mlp_qnet
@@ -167,6 +168,16 @@ def test_fresh_sampler_returns_only_rows_within_the_lag_and_counts_the_rest(cart
     assert sampler.dropped > 0  # 4 of 8 versions, then 7 of 8, were stale
     with pytest.raises(TimeoutError):
         dqn_cartpole.FreshSampler(cartpole_replay, timeout=0.2).sample(10, min_version=9)
+
+
+def test_the_wait_for_learning_starts_ends_with_the_time_budget(cartpole_replay):
+    """Paused workers never bring the replay to --learning-starts: the trainer says so after
+    --seconds instead of waiting for ever."""
+    cfg = dqn_cartpole.TrainConfig(replay="unused", learning_starts=10**9, seconds=0.3)
+    status = SimpleNamespace(weights_version=0, config={})
+    trainer = dqn_cartpole.Trainer(cfg, cartpole_replay, None, status, dqn_cartpole.DQNLearner, lambda line: None)
+    with pytest.raises(SampleTimeout, match="fewer than --learning-starts 1000000000, after 0.3 s"):
+        trainer.run()
 
 
 def test_torchrl_dqnloss_takes_ingestd_samples_unchanged_and_agrees_with_the_example(cartpole_replay):
