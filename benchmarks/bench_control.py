@@ -14,8 +14,9 @@
   written while paused.
 - push_weights: request to reply with wait=True (every worker applied it),
   for ~1M and ~25M float32 parameters (random, so lz4 cannot shrink them),
-  next to a raw lz4 compress + decompress + memcpy of the same bytes measured
-  in this process.
+  with and without the client's lz4 encode before it (``call_to_all_applied``:
+  what ``ControlClient.push_weights`` takes, the figure judged), next to a raw
+  lz4 compress + decompress + memcpy of the same bytes measured in this process.
 - ping / status: closed-loop throughput and p99; then status at a fixed
   1,000 requests/s in total from ``--load-clients`` processes while the
   workers collect: latency (send to reply, and from the scheduled send time:
@@ -137,7 +138,10 @@ def bench_pause(args) -> dict:
                 if verb == "pause":
                     in_flight = [float(stats[i]["chunk_seconds"]) for i in range(args.workers)]
                     chunks += in_flight
-                    beyond.append(lat["pause_reply"][-1] - max(in_flight))  # what the pause added to the chunk
+                    # the reply's latency beyond the whole chunk in flight (the target's form, per pause);
+                    # the request lands mid-chunk, so what the pause added after that chunk ended is
+                    # larger: about pause - pause_all_acked_seen
+                    beyond.append(lat["pause_reply"][-1] - max(in_flight))
                     frozen = c.status().replay.write_count
                     time.sleep(0.02)
                     written_while_paused += c.status().replay.write_count - frozen
@@ -182,12 +186,13 @@ def baseline(n: int, repeat: int) -> dict:
     raw = (torch.randn(n + 1) * 0.02).numpy().view(np.uint8)
     target = np.empty_like(raw)
     times = []
-    for _ in range(repeat):
+    for i in range(repeat + 1):  # the first round (cold: page faults of the output buffers) is a warm-up
         t0 = time.perf_counter()
         packed = lz4.frame.compress(raw, block_size=lz4.frame.BLOCKSIZE_MAX4MB, content_checksum=True)
         out = lz4.frame.decompress(packed)
         np.copyto(target, np.frombuffer(out, np.uint8))
-        times.append(time.perf_counter() - t0)
+        if i:
+            times.append(time.perf_counter() - t0)
     return summary(times)
 
 
@@ -219,8 +224,12 @@ def bench_push(args, n: int) -> dict:
         c.close()
     finally:
         d.close()
+    # what ``ControlClient.push_weights`` costs its caller: the lz4 encode, then the request (the
+    # baseline below includes the compression too)
+    call_s = [e + p for e, p in zip(encode_s, push_s)]
     return {"params": n + 1, "bytes": 4 * (n + 1), "chunk_ms": ms(chunk),
             "client_encode": summary(encode_s[1:]), "request_to_all_applied": summary(push_s[1:]),
+            "call_to_all_applied": summary(call_s[1:]),
             "daemon_receipt_to_all_applied": summary(server_s[1:]),
             "baseline_lz4_roundtrip_plus_memcpy": baseline(n, repeat)}
 
@@ -247,14 +256,17 @@ def status_load(args, d: DaemonProc) -> dict:
     (idle, loaded), daemon_cpu, worker_cpu, seconds = idle_and_loaded(counts)
     latency = np.concatenate([r["latency"] for r in results])
     late = np.concatenate([r["late"] for r in results])
-    requests = latency.size
+    requests = latency.size  # all that the schedule holds, late ones included (the clients' CPU covers them all)
+    # sent inside the loaded windows, where the daemon's extra CPU is counted (late ones load the idle
+    # windows instead: with achieved_per_s below the rate, the daemon's figure is still low)
+    served = sum(int(r["in_window"]) for r in results)
     p50, p99, worst = percentiles(latency, 50, 99, 100)
     s50, s99 = percentiles(latency + late, 50, 99)
     return {
         "clients": args.load_clients, "client": args.load_client,
         "external_cpu_share": round(external_share, 3),  # of the machine, used by processes not ours
         # requests sent inside the loaded windows: a client behind its schedule still sends them all, late
-        "achieved_per_s": round(sum(int(r["in_window"]) for r in results) / seconds[1]),
+        "achieved_per_s": round(served / seconds[1]),
         "latency": {"p50_ms": ms(p50), "p99_ms": ms(p99), "max_ms": ms(worst)},
         "from_schedule": {"p50_ms": ms(s50), "p99_ms": ms(s99)},
         "ingest_rows_per_s": {"idle": round(statistics.fmean(idle)), "loaded": round(statistics.fmean(loaded)),
@@ -262,7 +274,8 @@ def status_load(args, d: DaemonProc) -> dict:
                               "idle_windows": [round(r) for r in idle], "loaded_windows": [round(r) for r in loaded]},
         "worker_cores": {"idle": round(worker_cpu[0] / seconds[0], 3), "loaded": round(worker_cpu[1] / seconds[1], 3)},
         "cpu_us_per_request": {
-            "daemon": round(1e6 * (daemon_cpu[1] / seconds[1] - daemon_cpu[0] / seconds[0]) * seconds[1] / requests, 1),
+            "daemon": round(1e6 * (daemon_cpu[1] / seconds[1] - daemon_cpu[0] / seconds[0]) * seconds[1]
+                            / max(1, served), 1),
             "clients": round(1e6 * sum(float(r["cpu_s"]) for r in results) / requests, 1)},
     }
 
@@ -319,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         out["pause"] = pause = bench_pause(args)
         targets["pause_p99_within_chunk_plus_10ms"] = pause["pause"]["p99_ms"] <= pause["chunk_ms"] + 10
         # the same per pause: the chunk in flight must finish (nothing is dropped), however long
-        # contention makes it; the pause may add at most 10 ms to it
+        # contention makes it; the reply may come at most 10 ms later than that chunk's duration
         targets["pause_p99_within_its_chunk_in_flight_plus_10ms"] = pause["pause_beyond_chunk_in_flight"]["p99_ms"] <= 10
         targets["frames_lost_zero"] = pause["frames_lost"] == 0 and pause["rows_written_while_paused"] == 0
     if "push" in args.only:
@@ -327,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         push_1m = next((r for r in out["push_weights"] if r["params"] <= 2_000_000), None)
         if push_1m is not None:
             targets["push_1m_p99_within_chunk_plus_50ms"] = \
-                push_1m["request_to_all_applied"]["p99_ms"] <= push_1m["chunk_ms"] + 50
+                push_1m["call_to_all_applied"]["p99_ms"] <= push_1m["chunk_ms"] + 50
     if "queries" in args.only:
         out.update(bench_queries(args))
         load = out["status_at_1000_per_s"]

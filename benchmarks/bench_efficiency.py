@@ -64,11 +64,19 @@ class Limits:
         spec = case.loop_case()
         text = json.dumps({"env": spec.env, "num_envs": spec.num_envs, "policy": spec.policy,
                            "env_kwargs": spec.env_kwargs, "policy_kwargs": spec.policy_kwargs})
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--limit-child", text], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
-        for p in self.procs:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"limit process {p.pid} did not start (exit code {p.poll()})")
+        self.procs = []
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen([sys.executable, __file__, "--limit-child", text],
+                                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            for p in self.procs:
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"limit process {p.pid} did not start (exit code {p.poll()})")
+        except BaseException:  # __exit__ is not called when the constructor fails: stop them here
+            for p in self.procs:
+                p.kill()
+                p.wait()
+            raise
 
     def run(self, seconds: float) -> list[float]:
         for p in self.procs:  # all start within microseconds of each other

@@ -22,8 +22,9 @@ frames per CPU second) is reported too, as it is much less sensitive to
 other load on the machine. Every figure carries ``os.getloadavg()``.
 
 Also measured: the time from ``ingestd run`` (the Popen) to the first stored
-frame, against the wall time of a bare ``python -c 'import torch, tensordict'``
-(median of 3), and, for CartPole, a sweep of ``num_envs`` x ``chunk_steps``.
+frame, against the time from the Popen of a bare ``python -c 'import torch, tensordict'``
+to its import done (median of 3; the time to its exit, which adds the interpreter's
+teardown, is reported beside it), and, for CartPole, a sweep of ``num_envs`` x ``chunk_steps``.
 
 Prints ONE JSON document on stdout; progress goes to stderr.
 """
@@ -156,6 +157,13 @@ def combine_limits(samples: list[dict]) -> dict[str, Any]:
 
 
 # -- one daemon run ----------------------------------------------------------------------------
+def any_committed(reader) -> bool:
+    """Whether a row is committed. ``write_count`` alone also counts rows reserved and still
+    being filled: a worker storing images (Pixels) reserves its chunk's slots before rolling it."""
+    seq = reader.seq[:min(reader.write_count, reader.capacity)]
+    return bool(((seq > 0) & (seq % 2 == 0)).any())
+
+
 def wait_first_frame(d: DaemonProc, t_launch: float, timeout: float) -> tuple[float, Any]:
     """Seconds from the launch to the first committed row seen (polled every ms), and the reader."""
     from ingestd.replay import ReplayReader
@@ -168,7 +176,7 @@ def wait_first_frame(d: DaemonProc, t_launch: float, timeout: float) -> tuple[fl
                 reader = ReplayReader(d.replay_path)
             except Exception:
                 reader = None
-        if reader is not None and reader.write_count >= 1:
+        if reader is not None and any_committed(reader):
             return time.perf_counter() - t_launch, reader
         if d.proc.poll() is not None:
             break
@@ -245,10 +253,29 @@ def with_efficiency(run: dict[str, Any], limit: dict[str, Any]) -> dict[str, Any
 
 
 # -- startup -------------------------------------------------------------------------------
-def bare_import_once() -> float:
+BARE_IMPORT = "import torch, tensordict"
+
+
+def bare_import_once() -> tuple[float, float]:
+    """Seconds from the Popen of ``python -c 'import torch, tensordict'`` to the import done
+    (the child says so on stdout), and to the child's exit. The first is the reference for the
+    first frame, which is also an instant inside a live process; the exit adds the interpreter's
+    teardown of torch, which ``ingestd run`` never pays before its first frame."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, tensordict"], check=True)
-    return time.perf_counter() - t0
+    proc = subprocess.Popen([sys.executable, "-c", f"{BARE_IMPORT}; print('imported', flush=True)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        imported = time.perf_counter() - t0
+        proc.stdout.close()
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if code != 0 or line.strip() != "imported":
+        raise RuntimeError(f"python -c '{BARE_IMPORT}' failed (exit code {code})")
+    return imported, time.perf_counter() - t0
 
 
 def first_frame_once(case: IngestCase, workers: int) -> float:
@@ -264,13 +291,17 @@ def first_frame_once(case: IngestCase, workers: int) -> float:
 def startup(case: IngestCase, workers: int, repeat: int) -> tuple[dict, dict]:
     """Bare imports and time to first frame, measured alternately (bare, daemon, bare, ...) so
     both see the same load; the paired differences are reported too."""
-    bare, first, loads = [], [], []
+    bare, bare_exit, first, loads = [], [], [], []
     for _ in range(repeat):
         loads.append(load())
-        bare.append(bare_import_once())
+        imported, exited = bare_import_once()
+        bare.append(imported)
+        bare_exit.append(exited)
         first.append(first_frame_once(case, workers))
     bare_out = {"median_s": round(statistics.median(bare), 3), "runs_s": [round(t, 3) for t in bare],
-                "command": "python -c 'import torch, tensordict'", "load_averages": loads}
+                "command": f"python -c '{BARE_IMPORT}'", "timed_to": "the import done (not the exit)",
+                "to_exit_median_s": round(statistics.median(bare_exit), 3),
+                "to_exit_runs_s": [round(t, 3) for t in bare_exit], "load_averages": loads}
     first_out = {"median_s": round(statistics.median(first), 3), "runs_s": [round(t, 3) for t in first],
                  "over_bare_import_s": round(statistics.median(first) - statistics.median(bare), 3),
                  "paired_over_bare_import_s_median": round(statistics.median(f - b for f, b in zip(first, bare)), 3),
