@@ -220,7 +220,7 @@ def test_a_bad_batch_size_is_a_clear_error_and_the_reader_keeps_working(shm_dir,
 def test_gather_refuses_float_slots(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=0) as reader:
-        with pytest.raises(TypeError, match="integer slot numbers"):
+        with pytest.raises(TypeError, match="index must hold integers"):
             reader.gather([1.7])  # was read as slot 1
         assert reader.gather(torch.tensor([1, 2])).batch_size == (2,)
         assert reader.gather([]).batch_size == (0,)

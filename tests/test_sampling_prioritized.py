@@ -211,8 +211,10 @@ def test_update_for_an_overwritten_slot_is_ignored(shm_dir):
 def test_updates_need_integer_slots_or_a_prioritized_sample(shm_dir):
     with make(shm_dir / "r", capacity=64, n=64) as store, \
             ReplayReader(store.path, seed=2, sampler="prioritized", alpha=1.0) as r:
-        with pytest.raises(TypeError, match="integer slot numbers"):
+        with pytest.raises(TypeError, match="index must hold integers"):
             r.update_priorities([1.5, 2.0], [5.0, 5.0])  # would have updated slots 1 and 2
+        with pytest.raises(TypeError, match="write_index must hold integers"):
+            r.update_priorities([1, 2], [5.0, 5.0], write_index=[1.9, 2.0])  # 1.9 would have been row 1
         with pytest.raises(ValueError, match="write_index'\\) % capacity"):
             r.update_priorities(r.gather([1, 2]), [5.0, 5.0])  # a batch without ("ingestd", "index")
         assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)

@@ -323,14 +323,14 @@ def rows_count(value, name: str) -> int:
 
 
 def slot_indices(value, name: str) -> np.ndarray:
-    """``value`` (a sequence, array or tensor of integers) as a flat int64 array of slot
-    numbers; floats are refused rather than truncated to another slot."""
+    """``value`` (a sequence, array or tensor of integers: slot numbers or write indices) as a
+    flat int64 array; floats are refused rather than truncated to another slot or row."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
     if array.size and array.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integer slot numbers, got dtype {array.dtype}; "
-                        "pass the sample's ('ingestd', 'index') or an integer array")
+        raise TypeError(f"{name} must hold integers, got dtype {array.dtype}; pass the sample's "
+                        f"('ingestd', {name!r}) or an integer array")
     return array.astype(np.int64).reshape(-1)
 
 

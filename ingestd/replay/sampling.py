@@ -173,7 +173,7 @@ class Sampling:
         leaves = (prio + PRIORITY_EPS) ** self.alpha
         seq = self.reader.seq
         if write_index is not None:
-            expected = 2 * _numpy(write_index).astype(np.int64).reshape(-1) + 2
+            expected = 2 * slot_indices(write_index, "write_index") + 2
         else:
             bound = np.clip(slots, 0, self.reader.capacity - 1)
             expected = seq[bound]
