@@ -259,15 +259,22 @@ def daemon_hidden(status) -> tuple[int, ...]:
     return tuple(int(h) for h in kwargs.get("hidden", DEFAULT_HIDDEN))
 
 
+class BadArgument(ValueError):
+    """A TrainConfig value (a command-line argument) that cannot work: reported in one line."""
+
+
 # -- the training loop -----------------------------------------------------------------------------
 def train(cfg: TrainConfig, log: Callable[[str], None] = print,
           learner: Callable[[torch.nn.Module, TrainConfig], Learner] = DQNLearner) -> TrainResult:
     """Attach, train until ``cfg.seconds`` pass or the daemon's returns reach ``cfg.target_return``."""
     if not cfg.replay:
-        raise ValueError("TrainConfig.replay: give the daemon's replay storage directory")
+        raise BadArgument("TrainConfig.replay: give the daemon's replay storage directory")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    ctl = ingestd.ControlClient(cfg.connect, timeout=10.0)
+    try:
+        ctl = ingestd.ControlClient(cfg.connect, timeout=10.0)
+    except ValueError as exc:  # a malformed --connect
+        raise BadArgument(str(exc)) from None
     try:
         reader, status = attach(cfg, ctl)
         try:
@@ -431,7 +438,7 @@ def main(argv: list[str] | None = None, learner=DQNLearner, description: str = "
     cfg, result_json = parse_args(argv, description)
     try:
         result = train(cfg, log=lambda line: print(line, flush=True), learner=learner)
-    except (ingestd.IngestdError, ValueError) as exc:  # ValueError: a malformed --connect, no --replay
+    except (ingestd.IngestdError, BadArgument) as exc:
         print(f"{Path(sys.argv[0]).name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if result_json:

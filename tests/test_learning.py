@@ -170,6 +170,11 @@ def test_fresh_sampler_returns_only_rows_within_the_lag_and_counts_the_rest(cart
         dqn_cartpole.FreshSampler(cartpole_replay, timeout=0.2).sample(10, min_version=9)
 
 
+def test_a_malformed_connect_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert dqn_cartpole.main(["--replay", str(tmp_path), "--connect", "foo"]) == 1
+    assert "BadArgument: 'foo' is not a daemon address" in capsys.readouterr().err
+
+
 def test_the_wait_for_learning_starts_ends_with_the_time_budget(cartpole_replay):
     """Paused workers never bring the replay to --learning-starts: the trainer says so after
     --seconds instead of waiting for ever."""

@@ -7,6 +7,8 @@ so the module starts them all at once (``startup``), as tests/test_daemon.py doe
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import resource
@@ -15,9 +17,16 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from daemon_proc import failed_starts
+
+import ingestd.control.commands  # noqa: F401 - imported by MetricsExporter.start(): before the fds run out
+from ingestd.errors import ConfigError
+from ingestd.metrics.exporter import MetricsExporter
+from ingestd.service.config import load_config
+from ingestd.service.daemon import lock_runtime_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SETPRIV = shutil.which("setpriv")
@@ -143,3 +152,44 @@ def test_usage_errors_exit_64_like_ingestctl(argv):
     done = subprocess.run([sys.executable, "-m", "ingestd.service.cli", *argv], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 64 and "usage: ingestd" in done.stderr and "error:" in done.stderr, done
+
+
+# -- what a restart may fix is not a config error --------------------------------------------------
+def _next_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+@contextlib.contextmanager
+def no_free_fd():
+    """Every new file descriptor fails with EMFILE (a transient shortage: a restart fixes it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_next_free_fd(), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_runtime_dir_lock_out_of_fds_is_not_a_config_error(tmp_path):
+    """EMFILE (or ENOMEM, EINTR...) opening the lock is no reason to exit 78: systemd would
+    never retry it. Only a directory the daemon may not write is the config's fault."""
+    (tmp_path / "run").mkdir()
+    with no_free_fd(), pytest.raises(OSError) as err:
+        lock_runtime_dir(tmp_path / "run")
+    assert not isinstance(err.value, ConfigError) and err.value.errno == errno.EMFILE, err.value
+
+
+def test_a_metrics_bind_out_of_fds_is_not_blamed_on_the_address():
+    """Only failures the configured address or port cause name a key; EMFILE is not one."""
+    config = load_config(None, ["metrics.port=0"])
+    daemon = SimpleNamespace(layout=SimpleNamespace(stats=None, storage=None, weights=None), telemetry=None,
+                             started_at=0.0, supervisor=SimpleNamespace(count=0))
+    exporter = MetricsExporter(config)
+    try:
+        with no_free_fd(), pytest.raises(OSError) as err:
+            exporter.start(daemon)
+        assert not isinstance(err.value, ConfigError) and err.value.errno == errno.EMFILE, err.value
+    finally:
+        exporter.stop()

@@ -191,6 +191,26 @@ def test_threads_racing_to_one_destination_leave_one_complete_snapshot(shm_dir):
     assert check_all_rows(shm_dir / "dst") == (200, 0)
 
 
+def test_a_destination_that_appears_just_before_the_rename_is_snapshot_exists(shm_dir, monkeypatch):
+    """The race the threads above run, made certain: another saver's rename lands between this
+    one's check and its rename. rename(2) then fails with ENOTEMPTY, which must read as the
+    destination having appeared (SnapshotExists), and the winner's snapshot stays as it was."""
+    src = filled(shm_dir / "src", "cartpole", 128, rows=100)
+    snapshot.save(src, shm_dir / "winner")
+    rename = os.rename
+
+    def lose_the_race(a, b, *args, **kwargs):
+        if str(b) == str(shm_dir / "snap") and not (shm_dir / "snap").exists():
+            rename(shm_dir / "winner", shm_dir / "snap")  # the other saver's rename, just before ours
+        return rename(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", lose_the_race)
+    with pytest.raises(SnapshotExists, match="appeared"):
+        snapshot.save(src, shm_dir / "snap")
+    monkeypatch.undo()
+    assert leftovers(shm_dir) == [] and snapshot.restore(shm_dir / "snap", shm_dir / "dst").rows == 100
+
+
 def test_a_restored_storage_samples_prioritized_at_once(shm_dir):
     """The tree is rebuilt from the restored rows (every one at the maximum priority), not kept
     from the empty storage the restore started from."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
@@ -48,7 +49,10 @@ class MetricsExporter:
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            key, hint = _bind_failure(exc.errno)
+            fault = _bind_failure(exc.errno, port)
+            if fault is None:  # not the config's fault (EMFILE, ENOMEM, a DNS lookup that failed for now)
+                raise
+            key, hint = fault
             raise ConfigError(key, f"cannot serve metrics on {_url(host, port)}: {exc.strerror or exc}; "
                                    f"{hint}") from exc
         bound_host, bound_port = self.address
@@ -67,15 +71,26 @@ class MetricsExporter:
             thread.join(5.0)
 
 
-def _bind_failure(code: int | None) -> tuple[str, str]:
-    """(the key at fault, what to do) for a failed bind of the metrics server."""
+# an address that is not this host's, of no family it has, or a host name that does not exist
+_ADDRESS_FAULTS = frozenset(code for code in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL,
+                                              socket.EAI_NONAME, getattr(socket, "EAI_ADDRFAMILY", None),
+                                              getattr(socket, "EAI_NODATA", None)) if code is not None)
+
+
+def _bind_failure(code: int | None, port: int) -> tuple[str, str] | None:
+    """(the key at fault, what to do) for a failed bind of the metrics server; None when the
+    config is not at fault (a restart may succeed)."""
     if code == errno.EADDRINUSE:
         return "metrics.port", "another process holds the port: choose another metrics.port or stop that process"
-    if code == errno.EACCES:
+    if code == errno.EACCES and port < 1024:
         return "metrics.port", ("ports below 1024 need CAP_NET_BIND_SERVICE, which the daemon does not have "
                                 "(the systemd unit grants none): choose a metrics.port of 1024 or more")
-    return "metrics.address", ("metrics.address must name an address of this host (127.0.0.1 for loopback, "
-                               "0.0.0.0 or :: for all interfaces)")
+    if code == errno.EACCES:
+        return "metrics.port", "a security policy (SELinux, AppArmor, a seccomp or BPF filter) refuses this port"
+    if code in _ADDRESS_FAULTS:
+        return "metrics.address", ("metrics.address must name an address of this host (127.0.0.1 for "
+                                   "loopback, 0.0.0.0 or :: for all interfaces)")
+    return None
 
 
 def _url(host: str, port: int) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,7 +96,7 @@ def ensure_file(path: str | os.PathLike) -> None:
     path = Path(path)
     if (path / FILE).exists():
         return
-    tmp = path / f"{FILE}.{os.getpid()}.tmp"
+    tmp = path / f"{FILE}.{os.getpid()}-{threading.get_native_id()}.tmp"  # this thread's own
     words = np.zeros(WORDS, dtype=np.int64)
     words[W_MAGIC] = MAGIC
     f = words.view(np.float64)

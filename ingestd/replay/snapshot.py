@@ -34,6 +34,7 @@ snapshot: the rate limiter's counters (a restored storage starts with the limite
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -315,9 +316,15 @@ def _publish(tmp: Path, dest: Path) -> None:
         if entry.is_file():
             _fsync(entry, os.O_RDONLY)
     _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    appeared = SnapshotExists(f"{dest} appeared while it was being written; nothing was replaced")
     if dest.exists():
-        raise SnapshotExists(f"{dest} appeared while it was being written; nothing was replaced")
-    os.rename(tmp, dest)
+        raise appeared
+    try:
+        os.rename(tmp, dest)
+    except OSError as exc:  # another saver's rename landed between the check and this one
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise appeared from None
+        raise
     _fsync(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ingestd.collect.stats import Desired, State
 from ingestd.errors import ConfigError, DaemonAlreadyRunning
-from ingestd.service.layout import Layout, build_layout, make_dir
+from ingestd.service.layout import Layout, build_layout, make_dir, raise_unusable_path
 from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.supervisor import RestartPolicy, Supervisor
 from ingestd.service.telemetry import Telemetry
@@ -222,11 +222,8 @@ def lock_runtime_dir(runtime_dir) -> int:
     lock = Path(runtime_dir) / "ingestd.lock"
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o640)
-    except OSError as exc:  # a directory (or a lock file) this user may not write: no restart fixes it
-        raise ConfigError("service.runtime_dir", f"cannot open {lock}: {exc.strerror or exc}; the daemon "
-                                                 f"(uid {os.getuid()}) needs write access to {runtime_dir}: "
-                                                 "fix its owner or mode, or choose another "
-                                                 "service.runtime_dir") from None
+    except OSError as exc:
+        raise_unusable_path("service.runtime_dir", exc, f"cannot open {lock}")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -21,7 +22,9 @@ from ingestd.replay.storage import ReplayStorage
 log = logging.getLogger("ingestd.daemon")
 WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
 POLICY_VERSION = ("ingestd", "policy_version")
-_NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a replay path this user cannot write
+NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a path this user cannot write
+# a path no restart makes usable: no access, or under a file, too long, a symlink loop
+UNUSABLE_PATH = (*NO_ACCESS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
 
 
 @dataclass
@@ -108,11 +111,9 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
     except FileExistsError as exc:  # a file, or a directory holding other files
         raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
     except OSError as exc:
-        if exc.errno not in _NO_ACCESS or isinstance(exc, IngestdError):
+        if isinstance(exc, IngestdError):
             raise
-        raise ConfigError("replay.path", f"cannot use {path} as the replay storage: {exc.strerror}: "
-                                         f"{exc.filename}; the daemon (uid {os.getuid()}) needs write access "
-                                         "there: fix the owner or mode, or choose another replay.path") from None
+        raise_unusable_path("replay.path", exc, f"cannot use {path} as the replay storage ({exc.filename})")
 
 
 def make_dir(directory, key: str) -> None:
@@ -121,7 +122,17 @@ def make_dir(directory, key: str) -> None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
     except OSError as exc:
-        raise ConfigError(key, f"cannot create the directory {directory}: {exc.strerror or exc}") from None
+        raise_unusable_path(key, exc, f"cannot create the directory {directory}")
+
+
+def raise_unusable_path(key: str, exc: OSError, doing: str) -> NoReturn:
+    """A config error naming ``key`` for a path no restart makes usable (``doing``: what failed);
+    anything else (EMFILE, ENOMEM, ENOSPC, EINTR...) is re-raised as it is: a restart may succeed."""
+    if exc.errno not in UNUSABLE_PATH:
+        raise exc
+    hint = (f"the daemon (uid {os.getuid()}) needs write access there: fix the owner or mode, or choose "
+            f"another {key}" if exc.errno in NO_ACCESS else f"choose another {key}")
+    raise ConfigError(key, f"{doing}: {exc.strerror or exc}; {hint}") from None
 
 
 def check_factories(workers) -> None:
