@@ -197,6 +197,24 @@ def test_new_rows_enter_at_max_priority_and_reset_overwritten_slots(shm_dir):
         assert tree_consistent(tree)
 
 
+def test_new_rows_are_in_the_tree_before_their_slots_are_released(shm_dir):
+    """A writer lapping the ring may take the slots once released (and clear them if it fails):
+    a late enter() would put priority back on empty slots."""
+    with make(shm_dir / "r", capacity=64, n=60) as store:
+        tree, seen = PriorityTree.attach(store.path, 64, store.seq), []
+        release = store._release
+
+        def check_then_release(index):
+            seen.append(tree.levels[0][index % 64].copy())
+            release(index)
+
+        store._release = check_then_release
+        tree.update(np.arange(64), np.zeros(64))  # so that entering is visible
+        store.write(rows(8))  # slots 60..63, 0..3: wraps
+        assert len(seen) == 1 and np.allclose(seen[0], tree.max_leaf), seen
+        tree.close()
+
+
 def test_update_for_an_overwritten_slot_is_ignored(shm_dir):
     with make(shm_dir / "r", capacity=64, n=64) as store, \
             ReplayReader(store.path, seed=2, sampler="prioritized", alpha=1.0) as r:

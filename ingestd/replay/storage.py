@@ -283,12 +283,14 @@ class ReplayStorage(MappedStore):
                 slots = Slots(self, index)
                 yield slots
             finally:
-                if slots is None or not slots.committed:
-                    self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
-                    self._priorities.clear(index % self.capacity)  # nor the overwritten rows' priority mass
-                self._release(index)
-        if slots.committed:
-            self._priorities.enter(int(index[0]) % self.capacity, index.size)
+                try:  # the tree is set while the slots are still ours: a writer lapping the ring waits
+                    if slots is not None and slots.committed:
+                        self._priorities.enter(int(index[0]) % self.capacity, index.size)
+                    else:
+                        self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
+                        self._priorities.clear(index % self.capacity)  # nor the overwritten rows' priority mass
+                finally:
+                    self._release(index)
 
     def _commit(self, slots: "Slots", batch: TensorDictBase) -> None:
         """Fill the reserved slots from a validated batch of their size and mark them committed."""
