@@ -293,6 +293,21 @@ def test_bad_arguments(shm_dir):
                 r._sampling.tree.update(np.array([0]), np.array([np.nan]))
             with pytest.raises(IndexError):
                 r.update_priorities([64], [1.0], write_index=[0])
+            for bad in (np.nan, np.inf, -np.inf):
+                with pytest.raises(ValueError, match="priorities must be finite"):
+                    r.update_priorities([0, 1], [1.0, bad])
+            assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)  # nothing was updated
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0, 8.0])
+def test_huge_finite_priorities_keep_the_tree_finite_and_sampling(shm_dir, alpha):
+    """32 x 1e307 ** alpha would overflow the tree's total (and every draw after): leaves are capped."""
+    with make(shm_dir / "r", capacity=64, n=64) as store, \
+            ReplayReader(store.path, seed=0, sampler="prioritized", alpha=alpha) as r:
+        assert r.update_priorities(np.arange(32), np.full(32, 1e307)) == 32
+        tree = r._sampling.tree
+        assert np.isfinite(tree.total) and tree_consistent(tree)
+        assert set(r.sample(256)["ingestd", "index"].tolist()) <= set(range(32))  # the huge ones dominate
 
 
 @pytest.mark.parametrize("write_index", [[0], [0, 1]])  # [0] was broadcast: one row compared, two dropped

@@ -37,6 +37,7 @@ _MAX_ROUNDS = 256
 _DRAW_ROUNDS = 8  # descents per prioritized draw before giving up (the tree keeps changing)
 _POLL_S = 0.002
 PRIORITY_EPS = 1e-6
+LEAF_MAX = 1e290  # a leaf's cap: the tree's float64 total stays finite for any capacity that fits in memory
 
 
 class Sampling:
@@ -170,7 +171,10 @@ class Sampling:
         prio = np.abs(_numpy(priority).astype(np.float64).reshape(-1))
         if prio.size == 1 and slots.size > 1:
             prio = np.full(slots.size, prio[0])
-        leaves = (prio + PRIORITY_EPS) ** self.alpha
+        if not np.isfinite(prio).all():
+            raise ValueError("priorities must be finite (a NaN or inf TD error?); nothing was updated")
+        with np.errstate(over="ignore"):  # huge priorities ** alpha: inf, then capped
+            leaves = np.minimum((prio + PRIORITY_EPS) ** self.alpha, LEAF_MAX)
         seq = self.reader.seq
         if write_index is not None:
             expected = 2 * slot_indices(write_index, "write_index") + 2
