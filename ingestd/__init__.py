@@ -9,7 +9,7 @@ import importlib
 
 from ingestd.errors import (
     BadReply, BadWeights, ClosedError, CommandFailed, ConfigError, CorruptStorage, DaemonUnavailable,
-    EmptyReplay, EnvFault, IngestdError, SampleTimeout, SchemaMismatch, StorageNotFound,
+    EmptyReplay, EnvFault, IngestdError, SampleTimeout, SchemaMismatch, StorageNotFound, StorageReplaced,
 )
 
 __version__ = "0.1.0"
@@ -22,7 +22,7 @@ _LAZY = {
 
 __all__ = [
     *_LAZY,
-    "IngestdError", "StorageNotFound", "CorruptStorage", "SchemaMismatch", "EmptyReplay", "SampleTimeout",
+    "IngestdError", "StorageNotFound", "StorageReplaced", "CorruptStorage", "SchemaMismatch", "EmptyReplay", "SampleTimeout",
     "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed", "BadReply",
 ]
 

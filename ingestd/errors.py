@@ -15,6 +15,11 @@ class StorageNotFound(IngestdError, FileNotFoundError):
     """No replay storage at the given path (wrong path, or not created yet)."""
 
 
+class StorageReplaced(StorageNotFound):
+    """The storage a reader attached to was removed from its path, or replaced by another
+    (``systemctl stop`` removes the runtime dir): its rows are frozen; open a new reader."""
+
+
 class CorruptStorage(IngestdError, ValueError):
     """The storage directory exists but its metadata or files are unreadable."""
 

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,8 +20,9 @@ import torch
 from replay_payload import PayloadStorage
 from tensordict import TensorDict
 
+import ingestd.replay.reader as reader_module
 from ingestd.errors import (ClosedError, CorruptStorage, EmptyReplay, SampleTimeout, SchemaMismatch,
-                            StorageNotFound)
+                            StorageNotFound, StorageReplaced)
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.layout import WRITE_INDEX
 from ingestd.replay.priority import PriorityTree
@@ -145,6 +147,39 @@ def test_sample_into_an_empty_store_waits_like_sample(shm_dir):
             reader.sample(4, timeout=0.05, out=out)
         store.write(rp.template(store.schema, 8))
         assert not rp.bad_rows(reader.sample(4, out=out), reader.schema).any()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_reader_whose_storage_left_its_path_is_told(shm_dir, monkeypatch, how):
+    """``systemctl stop`` removes the runtime dir, and the next start makes a new replay there:
+    a reader still mapping the old one would sample frozen rows for ever. Reopening the same
+    storage in place (a restart) is not a replacement."""
+    monkeypatch.setattr(reader_module, "_ATTACH_CHECK_S", 0.0)
+    path = filled(shm_dir / "r", capacity=64, rows=100)
+    with ReplayReader(path, seed=0) as uniform, ReplayReader(path, seed=0, sampler="prioritized") as prioritized:
+        with ReplayStorage.open(path) as store:  # the daemon restarted: same files
+            store.write(rp.template(store.schema, 10))
+        assert uniform.sample(8).batch_size == (8,) and prioritized.sample(8).batch_size == (8,)
+        shutil.rmtree(path)
+        if how == "replaced":
+            filled(path, capacity=64, rows=50)
+        calls = [lambda: uniform.sample(8), lambda: uniform.sample(8, timeout=5.0), lambda: uniform.gather([0]),
+                 lambda: uniform.sample(8, out=uniform.empty_batch(8)), lambda: prioritized.sample(8, timeout=5.0),
+                 lambda: prioritized.sample_sequences(2, 2, timeout=5.0)]
+        for call in calls:
+            with pytest.raises(StorageReplaced, match="removed or replaced since this reader attached"):
+                call()
+        assert uniform.write_count == 110  # the frozen rows are still there to look at
+
+
+def test_the_attachment_is_checked_at_most_once_a_second(shm_dir, monkeypatch):
+    calls = []
+    real = reader_module._identity
+    monkeypatch.setattr(reader_module, "_identity", lambda path: calls.append(path) or real(path))
+    with ReplayReader(filled(shm_dir / "r", capacity=64, rows=100), seed=0) as reader:
+        for _ in range(200):
+            reader.sample(4)
+    assert len(calls) <= 3, len(calls)  # the one at attach, then about one per second of sampling
 
 
 def test_the_verifier_detects_damaged_rows(shm_dir):

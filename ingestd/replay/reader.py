@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.errors import EmptyReplay, SampleTimeout, StorageReplaced
 from ingestd.replay import files
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
@@ -33,6 +33,7 @@ _REDRAW_ROUNDS = 64  # rejection rounds over [0, len) before scanning for commit
 _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
 _POLL_S = 0.002
 _POOL = 1 << 16  # random draws made at once
+_ATTACH_CHECK_S = 1.0  # how often sampling checks that the storage is still the one at its path
 
 
 class ReplayReader(MappedStore):
@@ -49,6 +50,9 @@ class ReplayReader(MappedStore):
         that many versions old; ``rate_limited``: obey the storage's rate limiter. See
         docs/sampling.md and :mod:`ingestd.replay.sampling`."""
         super().__init__(path, writable=False)
+        self._identity = _identity(self.path)
+        self._next_attach_check = 0.0
+        self._replaced: str | None = None
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
@@ -101,6 +105,7 @@ class ReplayReader(MappedStore):
         call raises: rows may have been partly copied in)."""
         if type(batch_size) is not int or batch_size <= 0:
             batch_size = rows_count(batch_size, "batch_size")
+        self.check_attached()
         if out is not None:
             return self._sample_into(out, batch_size, timeout)
         if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
@@ -114,12 +119,31 @@ class ReplayReader(MappedStore):
             out = attempt()
             if out is not None:
                 return out
+            self.check_attached()  # a storage removed while we wait would never fill
             if deadline is None:
                 raise EmptyReplay(f"replay {self.path} has no committed rows yet; "
                                   "wait for the workers, or pass timeout= to block")
             if time.monotonic() >= deadline:
                 raise SampleTimeout(f"no committed rows in replay {self.path} after {timeout} s")
             time.sleep(_POLL_S)
+
+    def check_attached(self) -> None:
+        """Raise ``StorageReplaced`` once the storage's files are no longer the ones at its path
+        (removed, or replaced by a new storage: ``systemctl stop`` removes the runtime dir). The
+        rows this reader maps are then frozen. Sampling calls this, looking at the path at most
+        every ``_ATTACH_CHECK_S`` seconds; once replaced, every call raises."""
+        if self._replaced is None:
+            now = time.monotonic()
+            if now < self._next_attach_check:
+                return
+            self._next_attach_check = now + _ATTACH_CHECK_S
+            if _identity(self.path) == self._identity:
+                return
+            self._replaced = (f"the replay storage at {self.path} was removed or replaced since this reader "
+                              "attached (`systemctl stop` removes the runtime dir); the rows it still maps are "
+                              f"frozen: close it and open ReplayReader({str(self.path)!r}) again once the "
+                              "daemon has made the new one")
+        raise StorageReplaced(self._replaced)
 
     def empty_batch(self, batch_size: int) -> TensorDict:
         """A ``[batch_size]`` TensorDict of this storage's rows (plus the prioritized sampler's
@@ -183,6 +207,7 @@ class ReplayReader(MappedStore):
         """Copy the rows at slots ``index``; slots that are not committed, or change during
         the copy, are replaced by uniform draws of committed rows."""
         self._check_open()
+        self.check_attached()
         idx = slot_indices(index, "index")
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
             raise IndexError(f"slot indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
@@ -292,6 +317,7 @@ class ReplayReader(MappedStore):
                          timeout: float | None = None) -> TensorDict:
         """``[batch_size, length]`` runs of consecutive steps of one (worker, env) trajectory."""
         self._check_open()
+        self.check_attached()
         return self._sampling.sample_sequences(batch_size, length, cross_episodes, timeout)
 
     @property
@@ -305,6 +331,15 @@ class ReplayReader(MappedStore):
             sampling.close()
         self._columns = []
         super().close()
+
+
+def _identity(path) -> tuple[int, int] | None:
+    """(device, inode) of the storage's header file at ``path`` (None if there is none)."""
+    try:
+        st = os.stat(path / "header.bin")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def rows_count(value, name: str) -> int:

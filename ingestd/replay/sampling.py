@@ -112,6 +112,7 @@ class Sampling:
         deadline = None if timeout is None else time.monotonic() + timeout
         waited_from = None
         while True:
+            self.reader.check_attached()  # a storage removed while we wait would never fill
             why = self.limiter.sample_blocked(len(self.reader)) if self.limiter is not None else None
             if why is None:
                 out = attempt()
