@@ -172,6 +172,72 @@ def test_a_reader_whose_storage_left_its_path_is_told(shm_dir, monkeypatch, how)
         assert uniform.write_count == 110  # the frozen rows are still there to look at
 
 
+@pytest.mark.parametrize("call", ["uniform", "into", "prioritized", "sequences"])
+def test_a_call_waiting_for_rows_is_told_when_its_storage_leaves(shm_dir, monkeypatch, call):
+    """The storage leaves while ``sample(timeout=...)`` waits on it: no row will ever come."""
+    monkeypatch.setattr(reader_module, "_ATTACH_CHECK_S", 0.0)
+    path = filled(shm_dir / "r", capacity=64, rows=0)
+    sampler = "prioritized" if call == "prioritized" else "uniform"
+    with ReplayReader(path, seed=0, sampler=sampler) as reader:
+        calls = {"uniform": lambda: reader.sample(4, timeout=5.0),
+                 "into": lambda: reader.sample(4, timeout=5.0, out=reader.empty_batch(4)),
+                 "prioritized": lambda: reader.sample(4, timeout=5.0),
+                 "sequences": lambda: reader.sample_sequences(2, 2, timeout=5.0)}
+        remover = threading.Timer(0.2, shutil.rmtree, (path,))
+        remover.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(StorageReplaced):
+                calls[call]()
+        finally:
+            remover.join()
+        assert time.monotonic() - started < 4.0
+
+
+def test_a_reader_opened_by_a_relative_path_is_not_told_when_the_directory_changes(shm_dir, monkeypatch):
+    """The path is the one given at attach: a trainer that chdirs after opening ``ReplayReader("r")``
+    still reads the same storage, and is told only when that storage leaves."""
+    monkeypatch.setattr(reader_module, "_ATTACH_CHECK_S", 0.0)
+    filled(shm_dir / "r", capacity=64, rows=100)
+    monkeypatch.chdir(shm_dir)
+    with ReplayReader("r", seed=0) as reader:
+        monkeypatch.chdir("/")
+        assert reader.sample(4).batch_size == (4,)
+        shutil.rmtree(shm_dir / "r")
+        with pytest.raises(StorageReplaced):
+            reader.sample(4)
+
+
+def test_a_path_that_cannot_be_looked_at_for_now_is_not_a_replacement(shm_dir, monkeypatch):
+    """Only a storage gone from its path is a replacement: an error looking at it (EIO, EACCES)
+    says nothing, and must not make the reader fail for good."""
+    monkeypatch.setattr(reader_module, "_ATTACH_CHECK_S", 0.0)
+    real_stat = os.stat
+
+    def failing_stat(path, *args, **kwargs):
+        if str(path).endswith("header.bin"):
+            raise OSError(5, "Input/output error", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    with ReplayReader(filled(shm_dir / "r", capacity=64, rows=100), seed=0) as reader:
+        monkeypatch.setattr(os, "stat", failing_stat)
+        assert reader.sample(4).batch_size == (4,)
+        monkeypatch.setattr(os, "stat", real_stat)
+        assert reader.sample(4).batch_size == (4,)
+
+
+@pytest.mark.parametrize("call", ["sample", "gather", "sample_sequences"])
+def test_a_closed_reader_says_so_whatever_became_of_its_storage(shm_dir, monkeypatch, call):
+    monkeypatch.setattr(reader_module, "_ATTACH_CHECK_S", 0.0)
+    reader = ReplayReader(filled(shm_dir / "r", capacity=64, rows=100), seed=0)
+    reader.close()
+    shutil.rmtree(shm_dir / "r")
+    calls = {"sample": lambda: reader.sample(4), "gather": lambda: reader.gather([0]),
+             "sample_sequences": lambda: reader.sample_sequences(2, 2)}
+    with pytest.raises(ClosedError):
+        calls[call]()
+
+
 def test_the_attachment_is_checked_at_most_once_a_second(shm_dir, monkeypatch):
     calls = []
     real = reader_module._identity

@@ -50,7 +50,6 @@ class ReplayReader(MappedStore):
         that many versions old; ``rate_limited``: obey the storage's rate limiter. See
         docs/sampling.md and :mod:`ingestd.replay.sampling`."""
         super().__init__(path, writable=False)
-        self._identity = _identity(self.path)
         self._next_attach_check = 0.0
         self._replaced: str | None = None
         self._rng = np.random.default_rng(seed)
@@ -65,6 +64,8 @@ class ReplayReader(MappedStore):
         from ingestd.replay.sampling import Sampling
 
         try:
+            self._attached_at = self.path.absolute()  # the path given, even if the process chdirs later
+            self._identity = _identity(self._attached_at)
             self._sampling = Sampling(self, sampler, alpha, beta, max_policy_lag, weights_path, weights_version,
                                       rate_limited)
         except BaseException:
@@ -137,12 +138,16 @@ class ReplayReader(MappedStore):
             if now < self._next_attach_check:
                 return
             self._next_attach_check = now + _ATTACH_CHECK_S
-            if _identity(self.path) == self._identity:
+            try:
+                if _identity(self._attached_at) == self._identity:
+                    return
+            except OSError:  # EIO, EACCES...: not a sign the storage left; look again next time
                 return
             self._replaced = (f"the replay storage at {self.path} was removed or replaced since this reader "
                               "attached (`systemctl stop` removes the runtime dir); the rows it still maps are "
                               f"frozen: close it and open ReplayReader({str(self.path)!r}) again once the "
                               "daemon has made the new one")
+        self._check_open()  # "you closed it" comes first
         raise StorageReplaced(self._replaced)
 
     def empty_batch(self, batch_size: int) -> TensorDict:
@@ -334,10 +339,11 @@ class ReplayReader(MappedStore):
 
 
 def _identity(path) -> tuple[int, int] | None:
-    """(device, inode) of the storage's header file at ``path`` (None if there is none)."""
+    """(device, inode) of the storage's header file at ``path`` (None if there is none; other
+    errors looking at it are raised)."""
     try:
         st = os.stat(path / "header.bin")
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino
 
