@@ -18,6 +18,7 @@ import operator
 import os
 import time
 import weakref
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -49,6 +50,10 @@ class ReplayReader(MappedStore):
         (with ``weights_path`` or ``weights_version``) rejects rows collected by weights more than
         that many versions old; ``rate_limited``: obey the storage's rate limiter. See
         docs/sampling.md and :mod:`ingestd.replay.sampling`."""
+        # the path given, even if the process chdirs later; looked at before mapping, so a storage
+        # swapped meanwhile is reported by the first check rather than missed
+        self._attached_at = Path(path).expanduser().absolute()
+        self._identity = _identity(self._attached_at)
         super().__init__(path, writable=False)
         self._next_attach_check = 0.0
         self._replaced: str | None = None
@@ -64,8 +69,6 @@ class ReplayReader(MappedStore):
         from ingestd.replay.sampling import Sampling
 
         try:
-            self._attached_at = self.path.absolute()  # the path given, even if the process chdirs later
-            self._identity = _identity(self._attached_at)
             self._sampling = Sampling(self, sampler, alpha, beta, max_policy_lag, weights_path, weights_version,
                                       rate_limited)
         except BaseException:
