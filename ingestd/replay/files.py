@@ -143,13 +143,11 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
     sizes = {"header.bin": header_bytes(capacity), "data.bin": plan_layout(schema, capacity).data_bytes}
     try:
         for name, size in sizes.items():
-            with open(path / name, "wb") as f:
-                f.truncate(size)
-                _reserve(f.fileno(), size)
+            allocate_file(path / name, size)
     except OSError as exc:
         for name in sizes:
             (path / name).unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if exc.errno in NO_ROOM:
             need = sum(sizes.values())
             raise StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB "
                               f"({exc.strerror}); lower replay.capacity or choose a replay.path with space") from exc
@@ -160,13 +158,20 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
     del header
 
 
-def _reserve(fd: int, size: int) -> None:
-    """posix_fallocate where the file system has it (tmpfs, ext4, xfs); elsewhere the file stays sparse."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
+NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full file system, a file-size limit, a quota
+
+
+def allocate_file(file: Path, size: int) -> None:
+    """Create ``file`` of ``size`` bytes, its blocks allocated with posix_fallocate where the file
+    system has it (tmpfs, ext4, xfs; elsewhere it stays sparse). Raises an ``OSError`` whose
+    errno is in ``NO_ROOM`` when there is no room."""
+    with open(file, "wb") as f:
+        f.truncate(size)
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
 
 
 def map_file(file: Path, size: int, writable: bool) -> mmap.mmap | None:

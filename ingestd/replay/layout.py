@@ -22,6 +22,7 @@ Key = tuple[str, ...]
 STAMP_FIELDS = ("worker", "env", "episode", "step", "policy_version", "write_index")
 STAMP_KEYS: tuple[Key, ...] = tuple(("ingestd", f) for f in STAMP_FIELDS)
 WRITE_INDEX: Key = ("ingestd", "write_index")
+POLICY_VERSION: Key = ("ingestd", "policy_version")
 FLAG_FIELDS = ("done", "terminated", "truncated")
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -34,7 +34,6 @@ priority it entered with.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -255,14 +254,12 @@ def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:
     not a SIGBUS in whichever process first touches an unbacked page of a sparse file."""
     tmp, size = path / (FILE + ".tmp"), file_bytes(capacity)
     try:
-        with open(tmp, "wb") as f:
-            f.truncate(size)
-            files._reserve(f.fileno(), size)
+        files.allocate_file(tmp, size)
         _fill(tmp, capacity, seq)
         os.replace(tmp, path / FILE)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in files.NO_ROOM:
             raise StorageFull(f"no room for the priority tree of a replay of {capacity} rows at {path}: it needs "
                               f"{size / 2**20:.1f} MiB ({exc.strerror}); free space there, or move the storage "
                               "to a replay.path with space") from exc

@@ -109,7 +109,6 @@ class ReplayReader(MappedStore):
         call raises: rows may have been partly copied in)."""
         if type(batch_size) is not int or batch_size <= 0:
             batch_size = rows_count(batch_size, "batch_size")
-        self.check_attached()
         if out is not None:
             return self._sample_into(out, batch_size, timeout)
         if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
@@ -120,10 +119,10 @@ class ReplayReader(MappedStore):
         """``attempt()`` until it returns rows; ``EmptyReplay`` without ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self.check_attached()  # before every attempt: a storage that left would never fill
             out = attempt()
             if out is not None:
                 return out
-            self.check_attached()  # a storage removed while we wait would never fill
             if deadline is None:
                 raise EmptyReplay(f"replay {self.path} has no committed rows yet; "
                                   "wait for the workers, or pass timeout= to block")
@@ -325,7 +324,6 @@ class ReplayReader(MappedStore):
                          timeout: float | None = None) -> TensorDict:
         """``[batch_size, length]`` runs of consecutive steps of one (worker, env) trajectory."""
         self._check_open()
-        self.check_attached()
         return self._sampling.sample_sequences(batch_size, length, cross_episodes, timeout)
 
     @property

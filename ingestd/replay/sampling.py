@@ -25,13 +25,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.reader import rows_count, slot_indices
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
-POLICY_VERSION = ("ingestd", "policy_version")
 _REJECT_ROUNDS = 32  # rounds of re-drawing rejected rows before listing the eligible slots
 _MAX_ROUNDS = 256
 _DRAW_ROUNDS = 8  # descents per prioritized draw before giving up (the tree keeps changing)
@@ -112,7 +112,7 @@ class Sampling:
         deadline = None if timeout is None else time.monotonic() + timeout
         waited_from = None
         while True:
-            self.reader.check_attached()  # a storage removed while we wait would never fill
+            self.reader.check_attached()  # before every attempt: a storage that left would never fill
             why = self.limiter.sample_blocked(len(self.reader)) if self.limiter is not None else None
             if why is None:
                 out = attempt()

@@ -19,13 +19,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ingestd", description="Experience-ingestion daemon for RL.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the daemon in the foreground (logs to stderr)")
     run.add_argument("--config", "-c", metavar="FILE", help="TOML config file (default: the embedded default)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config key (repeatable), e.g. --set workers.count=4")
     cfg = sub.add_parser("config", help="print the default config or the config reference, or check a config file")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     cfg_sub.add_parser("default", help="print the embedded default config (TOML)")
     cfg_sub.add_parser("reference", help="print the config reference (Markdown; docs/config.md is this output)")
     check = cfg_sub.add_parser("check", help="validate a config file; exit 78 if it is wrong")
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config key (repeatable), as for run")
     rep = sub.add_parser("replay", help="snapshot a replay storage, or restore one from a snapshot")
-    rep_sub = rep.add_subparsers(dest="replay_command", required=True, parser_class=_Parser)
+    rep_sub = rep.add_subparsers(dest="replay_command", required=True)
     snap = rep_sub.add_parser("snapshot", help="copy a storage's committed rows into a new snapshot directory "
                                                "(safe while workers write)")
     snap.add_argument("storage", help="the replay storage directory (the config's replay.path)")

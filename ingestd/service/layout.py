@@ -17,11 +17,11 @@ from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env_and_policy
 from ingestd.errors import ConfigError, CorruptStorage, IngestdError
+from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
 
 log = logging.getLogger("ingestd.daemon")
 WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
-POLICY_VERSION = ("ingestd", "policy_version")
 NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a path this user cannot write
 # a path no restart makes usable: no access, or under a file, too long, a symlink loop
 UNUSABLE_PATH = (*NO_ACCESS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
