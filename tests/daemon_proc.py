@@ -23,18 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def children(pid: int) -> list[int]:
+    """PIDs of the live children of ``pid`` (via /proc/PID/task/*/children; a thread that exits
+    while this reads is skipped, not an error)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found.extend(int(k) for k in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
 def descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of ``pid`` (via /proc/*/task/*/children)."""
+    """PIDs of every live descendant of ``pid``."""
     found, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(kids)
-            todo.extend(kids)
+        kids = children(todo.pop())
+        found.extend(kids)
+        todo.extend(kids)
     return found
 
 

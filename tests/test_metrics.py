@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_proc import DaemonProc
+from daemon_proc import DaemonProc, children
 from ingestd.collect.stats import MAX_WORKERS, RING, State, StatsBlock
 from ingestd.errors import ConfigError
 from ingestd.metrics import IngestdCollector, MetricsExporter
@@ -435,11 +435,14 @@ def test_killed_worker_counts_a_restart(live):
     daemon = live.daemon
     before = samples(fetch(live))
     restarts = by_worker(before, "ingestd_worker_restarts_total")
-    children = [int(k) for t in Path(f"/proc/{daemon.proc.pid}/task").glob("*")
-                for k in (t / "children").read_text().split()]
-    assert children, "the daemon has no worker processes"
+    from ingestd.control.client import ControlClient
+
+    with ControlClient(daemon.control_address, timeout=30) as client:
+        workers = client.status().workers
+    victim = next(w.pid for w in workers if w.state == "running")
+    assert victim in children(daemon.proc.pid), f"worker pid {victim} is not a child of the daemon"
     daemon.remember_children()
-    os.kill(children[0], signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
 
     def restarted():
         now = samples(fetch(live))
