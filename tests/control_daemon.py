@@ -72,11 +72,25 @@ def shared_paused():
         yield
         return
     with ControlClient(_daemon.control_address, timeout=5.0) as client:
+        if client.status().desired != "run":
+            yield  # already paused (the ``daemon`` fixture pauses it after each module): leave it so
+            return
         client.pause()
         try:
             yield
         finally:
             client.resume()
+
+
+def pause_shared() -> None:
+    """Pause the shared daemon's workers (if it runs), so that modules which do not use it do not
+    share the CPU with them. Its users resume it: the ``daemon`` and ``client`` fixtures."""
+    from ingestd import ControlClient
+
+    if _daemon is None or _daemon.proc.poll() is not None:
+        return
+    with ControlClient(_daemon.control_address, timeout=5.0) as client:
+        client.pause()
 
 
 def restore(client) -> None:
@@ -126,8 +140,16 @@ def snapshots(daemon):
 
 @pytest.fixture(scope="module")
 def daemon(pytestconfig):
-    """The shared control-test daemon (started once per session, see ``shared``)."""
-    return shared(pytestconfig)
+    """The shared control-test daemon (started once per session, see ``shared``), with two running
+    workers while the module runs; paused after it, so that its workers take no CPU from the
+    modules that do not use it (the next module that does resumes it here, or in ``client``)."""
+    from ingestd import ControlClient
+
+    d = shared(pytestconfig)
+    with ControlClient(d.control_address, timeout=5.0) as c:
+        restore(c)
+    yield d
+    pause_shared()
 
 
 @pytest.fixture

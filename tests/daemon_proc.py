@@ -26,10 +26,14 @@ def free_port() -> int:
 def children(pid: int) -> list[int]:
     """PIDs of the live children of ``pid`` (via /proc/PID/task/*/children; a thread that exits
     while this reads is skipped, not an error)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process is gone (or exits while this lists its threads)
+        return []
     found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for task in tasks:
         try:
-            found.extend(int(k) for k in (task / "children").read_text().split())
+            found.extend(int(k) for k in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
         except OSError:
             continue
     return found
@@ -64,21 +68,29 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def failed_starts(cases: dict, env: dict | None = None):
-    """Start every ``ingestd run`` of ``cases`` (``{case: (argv prefix, settings, preexec_fn, tmp)}``,
-    settings as for ``--set``) at once (each imports torch: seconds of CPU), and return
+def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeout: float = 600.0):
+    """Run every ``ingestd run`` of ``cases`` (``{case: (argv prefix, settings, preexec_fn, tmp)}``,
+    settings as for ``--set``), ``at_once`` at a time (each imports torch: seconds of CPU and
+    ~300 MB; all of them at once would crowd a small machine), and return
     ``{case: (exit status, stderr, tmp)}``. A generator for a fixture: whatever still runs when
     it ends is killed by PID."""
-    procs = {}
+    procs, results = {}, {}
+    items = list(cases.items())
     try:
-        for case, (prefix, settings, preexec, tmp) in cases.items():
-            argv = [*prefix, sys.executable, "-m", "ingestd.service.cli", "run",
-                    *(a for setting in settings for a in ("--set", setting))]
-            procs[case] = (tmp, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                                 env={**os.environ, **(env or {})}, preexec_fn=preexec))
-        yield {case: (proc.wait(120), proc.communicate()[1], tmp) for case, (tmp, proc) in procs.items()}
+        for first in range(0, len(items), at_once):
+            batch = items[first:first + at_once]
+            for case, (prefix, settings, preexec, tmp) in batch:
+                argv = [*prefix, sys.executable, "-m", "ingestd.service.cli", "run",
+                        *(a for setting in settings for a in ("--set", setting))]
+                procs[case] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                               env={**os.environ, **(env or {})}, preexec_fn=preexec)
+            for case, (_, _, _, tmp) in batch:
+                # communicate, not wait: a child blocked on a full stderr pipe would never exit
+                stderr = procs[case].communicate(timeout=timeout)[1]
+                results[case] = (procs[case].returncode, stderr, tmp)
+        yield results
     finally:
-        for _, proc in procs.values():
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)

@@ -2,17 +2,22 @@
 (``faulty_envs:Raising`` with ``tests/`` on PYTHONPATH)."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ingestd.collect.registry import make_env
 
 
 class _Wrapped:
-    def __init__(self, ctx, after_steps: int = 0, inner: str = "Checksum", only_worker: int = -1):
+    def __init__(self, ctx, after_steps: int = 0, inner: str = "Checksum", only_worker: int = -1,
+                 delay_s: float = 0.0):
+        """``delay_s``: sleep that long before the first fault (a worker that raises on its first
+        step stays visibly running for a moment, instead of a window a poll may miss)."""
         self.inner = make_env(inner, ctx, {})
         self.active = only_worker < 0 or ctx.worker == only_worker
         self.num_envs, self.spec = self.inner.num_envs, self.inner.spec
-        self.after_steps, self.steps = after_steps, 0
+        self.after_steps, self.steps, self.delay_s = after_steps, 0, delay_s
 
     def reset(self):
         return self.inner.reset()
@@ -24,6 +29,9 @@ class _Wrapped:
         self.steps += 1
         transition, root = self.inner.step_and_maybe_reset(td)
         if self.active and self.steps > self.after_steps:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+                self.delay_s = 0.0
             self.fault(transition)
         return transition, root
 

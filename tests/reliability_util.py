@@ -367,7 +367,7 @@ class Hygiene:
     def _listening_sockets(pids) -> set[int]:
         held = set()
         for pid in pids:
-            for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            for fd in _fd_paths(pid):
                 try:
                     target = os.readlink(fd)
                 except OSError:
@@ -389,6 +389,15 @@ def _entries(directory: Path) -> set[str]:
         return {p.name for p in directory.iterdir()}
     except OSError:
         return set()
+
+
+def _fd_paths(pid: int) -> list[str]:
+    """``/proc/PID/fd/N`` of each open descriptor of ``pid``; none if it is gone (it may exit while
+    this lists them: a ``Path.glob`` would then raise from the ``for`` statement itself)."""
+    try:
+        return [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return []
 
 
 def _cmdline(pid: int) -> str:
@@ -430,7 +439,7 @@ def _open_shm_entries(pid: int) -> set[Path]:
     """Top-level /dev/shm entries that ``pid`` has open or mapped."""
     found = set()
     paths = []
-    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+    for fd in _fd_paths(pid):
         try:
             paths.append(os.readlink(fd))
         except OSError:

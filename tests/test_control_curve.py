@@ -93,15 +93,18 @@ def test_events_need_an_authorised_key_too(daemon, keys):
 
 def test_ingestctl_with_keys_and_reloaded_authorisation(daemon, keys, capsys):
     root, authorized, made = keys
-    base = ["--connect", daemon.control_address, "--timeout", "0.5", "--server-key", str(made["server"][0])]
-    assert cli.main([*base, "--client-key", str(made["trainer"][1]), "ping"]) == 0
-    assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
+    # 5 s for calls that must succeed (a TCP + CURVE handshake and the ZAP check, on a maybe slow
+    # machine); 0.5 s for those that must get nothing (they would wait out any timeout)
+    connect = ["--connect", daemon.control_address, "--server-key", str(made["server"][0])]
+    ok, refused = [*connect, "--timeout", "5"], [*connect, "--timeout", "0.5"]
+    assert cli.main([*ok, "--client-key", str(made["trainer"][1]), "ping"]) == 0
+    assert cli.main([*refused, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
     shutil.copy(made["intruder"][0], authorized / "intruder.key")
     try:
-        assert cli.main([*base, "--client-key", str(made["trainer"][1]), "reload"]) == 0
-        assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == 0
+        assert cli.main([*ok, "--client-key", str(made["trainer"][1]), "reload"]) == 0
+        assert cli.main([*ok, "--client-key", str(made["intruder"][1]), "ping"]) == 0
     finally:
         (authorized / "intruder.key").unlink()
-        assert cli.main([*base, "--client-key", str(made["trainer"][1]), "reload"]) == 0
-    assert cli.main([*base, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
+        assert cli.main([*ok, "--client-key", str(made["trainer"][1]), "reload"]) == 0
+    assert cli.main([*refused, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
     capsys.readouterr()

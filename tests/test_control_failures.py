@@ -12,7 +12,9 @@ from ingestd import ControlClient, DaemonUnavailable
 @pytest.fixture(scope="module")
 def daemon_and_client():
     overrides = {**SETTINGS, "workers.env": "faulty_envs:raising",
-                 "workers.env_kwargs": {"only_worker": 1, "after_steps": 0},
+                 # worker 1 raises on its first step, half a second after it starts running: long
+                 # enough for a restart's wait to see it running (test_a_failed_worker_can_be_restarted)
+                 "workers.env_kwargs": {"only_worker": 1, "after_steps": 0, "delay_s": 0.5},
                  "workers.restart_budget": 2, "workers.restart_backoff_s": 0.05, "workers.restart_backoff_max_s": 0.1}
     with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         with ControlClient(d.control_address, timeout=2.0) as c:

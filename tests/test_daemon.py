@@ -188,8 +188,10 @@ def test_crash_looping_worker_is_marked_failed_others_continue():
 
 
 def test_env_slower_to_build_than_the_heartbeat_timeout_is_not_taken_for_a_hang():
-    overrides = {"workers.env": "faulty_envs:slow_start", "workers.env_kwargs": {"seconds": 2.5},
-                 "workers.policy": "Random", "workers.count": 1, "workers.heartbeat_timeout_s": 1.0}
+    # the build takes 2.5 heartbeat timeouts; the keepalive beats every 0.5 s, a quarter of the
+    # timeout (at 1 s, a worker stalled for 0.5 s on a busy machine would be taken for hung)
+    overrides = {"workers.env": "faulty_envs:slow_start", "workers.env_kwargs": {"seconds": 5.0},
+                 "workers.policy": "Random", "workers.count": 1, "workers.heartbeat_timeout_s": 2.0}
     with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         d.wait_ready(rows=100)
         stats = StatsBlock(d.runtime_dir / "workers.stats")

@@ -36,7 +36,9 @@ EXAMPLE = EXAMPLES / "dqn_cartpole.py"
 sys.path.insert(0, str(EXAMPLES))
 import dqn_cartpole  # noqa: E402  (the example, imported as a module)
 
-BUDGET_S = 170.0  # hard bound on the whole test, daemon start and teardown included
+BUDGET_S = 500.0  # hard bound on the whole test, daemon start and teardown included (a slow CI
+# machine: 20-100 s here; the trainer stops once it reaches TRAINER_TARGET, TRAINER_SECONDS is only its cap)
+TRAINER_SECONDS = 400
 WINDOW = 20  # "the last 20 finished episodes"
 RANDOM_LEVEL = 50.0  # a uniform-random CartPole policy averages about 22
 LEARNED = 150.0  # what the daemon's workers must reach with the trainer's weights
@@ -82,7 +84,7 @@ def test_dqn_example_raises_the_daemons_returns_and_trains_only_on_fresh_rows():
         with open(trainer_log, "wb") as log:
             trainer = subprocess.Popen(
                 [sys.executable, str(EXAMPLE), "--replay", str(daemon.replay_path), "--connect",
-                 daemon.control_address, "--wait", "60", "--seconds", "110", "--target-return", str(TRAINER_TARGET),
+                 daemon.control_address, "--wait", "60", "--seconds", str(TRAINER_SECONDS), "--target-return", str(TRAINER_TARGET),
                  "--max-lag", str(MAX_LAG), "--push-every", str(PUSH_EVERY), "--result-json", str(result_path)],
                 stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import control_plugins
-from control_daemon import PLUGIN_ENV, SETTINGS, shared, shared_paused
+from control_daemon import PLUGIN_ENV, SETTINGS, pause_shared, shared, shared_paused
 from daemon_proc import DaemonProc, free_port
 from ingestd import ControlClient, DaemonUnavailable
 from ingestd.control.client import CurveKeys, EventStream
@@ -27,8 +27,10 @@ from test_metrics import samples
 
 @pytest.fixture(scope="module")
 def daemon(pytestconfig):
-    """The shared (ipc) control daemon."""
-    return shared(pytestconfig)
+    """The shared (ipc) control daemon (only its files are looked at: its workers need not run;
+    paused after the module, as ``control_daemon.daemon`` leaves it)."""
+    yield shared(pytestconfig)
+    pause_shared()
 
 
 @pytest.fixture(scope="module")

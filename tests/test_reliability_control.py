@@ -303,8 +303,10 @@ def test_fuzzed_control_messages_never_hurt_the_daemon(daemon, client):
            daemon_cpu_pct_before=round(100 * ingest_before.daemon_cores, 1),
            daemon_cpu_pct_after=round(100 * ingest_after.daemon_cores, 1), external_load_pct=round(100 * external))
     assert total >= 10_000
-    # nothing left running in the daemon (a spinning thread would take the workers' CPU)
-    assert ingest_after.daemon_cores <= ingest_before.daemon_cores + 0.03, (ingest_before, ingest_after)
+    # nothing left running in the daemon (a spinning thread would take the workers' CPU). The
+    # daemon's own share is a few % of a core, counted in 10 ms ticks over 8 s / 4 s windows: the
+    # margin absorbs that noise on a slow machine, a thread left busy (10 % of a core or more) does not fit
+    assert ingest_after.daemon_cores <= 1.5 * ingest_before.daemon_cores + 0.05, (ingest_before, ingest_after)
     judge_timing(external, {"ingest rate within noise": a >= b - max(noise, 0.1 * b)},
                  f"ingest {b:.0f} rows/s before, {a:.0f} after; windows {ingest_before.rates} {ingest_after.rates}")
 
