@@ -96,7 +96,22 @@ def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeou
                 proc.wait(10)
 
 
-class DaemonProc:
+class Started:
+    """``with X(...) as x``: ``start()`` on entry, ``close()`` on exit, and also when ``start()``
+    fails (``__exit__`` is not called then: the process's directory would stay in /dev/shm)."""
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DaemonProc(Started):
     """``with DaemonProc(overrides={...}) as d: d.wait_ready()``."""
 
     def __init__(self, overrides: dict | None = None, config_text: str = "", notify: bool = False,
@@ -146,16 +161,6 @@ class DaemonProc:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         return self
-
-    def __enter__(self) -> "DaemonProc":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()  # __exit__ is not called when __enter__ fails: its directory would stay in /dev/shm
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from daemon_proc import free_port
+from daemon_proc import Started, free_port
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 PROMTOOL = Path("/usr/bin/promtool")
@@ -28,7 +28,7 @@ def promtool(*args: str, stdin: str | None = None, timeout: float = 30.0) -> sub
     return subprocess.run([str(PROMTOOL), *args], input=stdin, capture_output=True, text=True, timeout=timeout)
 
 
-class PrometheusProc:
+class PrometheusProc(Started):
     """``with PrometheusProc(["127.0.0.1:9464"]) as prom: prom.query("up")``."""
 
     def __init__(self, targets: list[str], scrape_interval: str = "1s", rule_files: tuple[Path, ...] = ()):
@@ -112,13 +112,3 @@ class PrometheusProc:
     def close(self) -> None:
         self._stop_proc()
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def __enter__(self) -> "PrometheusProc":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()  # __exit__ is not called when __enter__ fails: its directory would stay in /dev/shm
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
