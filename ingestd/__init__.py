@@ -10,6 +10,7 @@ import importlib
 from ingestd.errors import (
     BadReply, BadWeights, ClosedError, CommandFailed, ConfigError, CorruptStorage, DaemonUnavailable,
     EmptyReplay, EnvFault, IngestdError, SampleTimeout, SchemaMismatch, StorageNotFound, StorageReplaced,
+    WeightsRejected,
 )
 
 __version__ = "0.1.0"
@@ -23,7 +24,8 @@ _LAZY = {
 __all__ = [
     *_LAZY,
     "IngestdError", "StorageNotFound", "StorageReplaced", "CorruptStorage", "SchemaMismatch", "EmptyReplay", "SampleTimeout",
-    "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed", "BadReply",
+    "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed", "WeightsRejected",
+    "BadReply",
 ]
 
 

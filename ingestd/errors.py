@@ -61,6 +61,15 @@ class ConfigError(IngestdError, ValueError):
         super().__init__(f"config key {key!r}: {message}")
 
 
+class ConfigFileError(ConfigError):
+    """The config file itself cannot be used (missing, unreadable, not TOML). ``key`` is its path,
+    and the message names the file, not a key: ``/etc/ingestd/ingestd.toml: TOML syntax error ...``."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(path, message)
+        self.args = (f"{path}: {message}",)
+
+
 # -- weights ------------------------------------------------------------------
 class BadWeights(IngestdError, ValueError):
     """A weight payload is malformed or does not fit the policy."""
@@ -78,6 +87,12 @@ class CommandFailed(IngestdError, RuntimeError):
         self.code = code
         self.message = message
         super().__init__(f"{code}: {message}")
+
+
+class WeightsRejected(CommandFailed, BadWeights):
+    """The daemon refused a weight push (code ``bad_weights``): it does not fit the policy, or it
+    is corrupt or non-finite; nothing was changed. Both a ``CommandFailed`` and a ``BadWeights``,
+    so ``except BadWeights`` catches it as it catches a push refused while encoding."""
 
 
 class BadReply(IngestdError, ValueError):

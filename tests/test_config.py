@@ -39,6 +39,12 @@ def test_default_is_the_dataclass_defaults():
     assert config.metrics.address == "127.0.0.1" and config.control.address == ""
 
 
+def test_default_toml_resumes_weights_and_says_how_to_start_fresh():
+    assert load_config().service.start_weights == "resume"
+    prose = " ".join(line.lstrip("# ") for line in DEFAULT_TOML.splitlines())
+    assert 'start_weights = "resume"' in DEFAULT_TOML and '"initial" publishes the policy\'s initial weights' in prose
+
+
 def test_default_toml_lists_every_key_with_a_comment():
     lines = DEFAULT_TOML.splitlines()
     for key in ALL_KEYS:
@@ -120,6 +126,7 @@ BAD = [
     (["service.stop_timeout_s=inf"], "service.stop_timeout_s", "finite number > 0"),
     (["service.stop_timeout_s='10'"], "service.stop_timeout_s", "without quotes"),
     (["service.seed=-1"], "service.seed", ">= 0"),
+    (["service.start_weights=fresh"], "service.start_weights", "one of resume, initial"),
     (["control.address=tcp://0.0.0.0:5555"], "control.address", "ingestctl keygen"),
     (["control.events_address=tcp://0.0.0.0:5556"], "control.events_address", "control.curve_secret_key"),
     (["control.curve_secret_key=/etc/ingestd/server.key"], "control.curve_authorized_keys", "both"),
@@ -155,6 +162,25 @@ def test_missing_file_names_the_path(tmp_path):
     with pytest.raises(ConfigError, match="not found") as info:
         load_config(missing)
     assert info.value.key == str(missing)
+    assert str(info.value).startswith(f"{missing}: config file not found"), str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[workers\ncount = 3\n", "TOML syntax error at line 1, column 9: Expected ']' at the end of a table "
+                               "declaration\n  1 | [workers\n    |         ^"),
+    ("[workers]\ncount = \n", "TOML syntax error at line 2, column 9: Invalid value\n  2 | count = \n"
+                               "    |         ^"),
+    ('[service]\nlog_level = "info\n', "TOML syntax error at line 2, column 18: Illegal character"),
+    ('log_level = "info', "TOML syntax error at the end of the file: Unterminated string"),
+], ids=["unclosed table", "missing value", "string not closed on its line", "string not closed at the end"])
+def test_toml_syntax_error_names_the_file_line_and_column(tmp_path, text, message):
+    """A file that is not TOML is not a bad key: the message starts with the file, says it is a
+    TOML syntax error and where, and quotes the line with the column marked."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+    assert "config key" not in str(info.value) and info.value.key == str(path)
 
 
 def test_config_error_is_a_value_error():
@@ -176,11 +202,46 @@ def test_config_error_is_a_value_error():
     ("control.address=ipc:///run/x.sock", "control", "address", "ipc:///run/x.sock"),
     ('service.data_dir="/var/lib/a b"', "service", "data_dir", "/var/lib/a b"),
     ("control.address=", "control", "address", ""),
+    ("service.start_weights=initial", "service", "start_weights", "initial"),
+    ("service.start_weights=Resume", "service", "start_weights", "resume"),
 ])
 def test_override_parses(override, section, key, expected):
     value = getattr(getattr(load_config(overrides=[override]), section), key)
     assert value == expected
     assert type(value) is type(expected) or isinstance(value, FrozenTable)
+
+
+# `ingestd run` / `ingestd config check` --set: (argv after the command, exit status, text on stderr).
+# A --set that is not section.key=value is a bad argument (64, as README says); a well-formed one
+# whose key or value is wrong is a config error (78).
+SET_CASES = [
+    (["--set", "workers.count"], 64, "argument --set: an override is section.key=value"),
+    (["--set", "=4"], 64, "got '=4'"),
+    (["--set", "workers.=4"], 64, "got 'workers.=4'"),
+    (["--set", ".count=4"], 64, "got '.count=4'"),
+    (["--set", "count=4"], 64, "did you mean workers.count=4?"),
+    (["--set", "workers.count=4", "--set", "workers.count"], 64, "got 'workers.count'"),
+    (["--set", "workers.count=x"], 78, "config key 'workers.count': expected an integer"),
+    (["--set", "workers.cout=4"], 78, "did you mean 'workers.count'"),
+    (["--set", "service.start_weights=latest"], 78, "config key 'service.start_weights': expected one of resume, "
+                                                     "initial"),
+    (["--set", "workers.count.x=1"], 78, "config key 'workers.count'"),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("args, status, phrase", SET_CASES, ids=[" ".join(case[0]) for case in SET_CASES])
+def test_malformed_set_is_a_usage_error_a_bad_value_a_config_error(tmp_path, capsys, command, args, status, phrase):
+    """Every case fails before anything starts (``run`` included), so ``main`` runs in-process."""
+    from ingestd.service.cli import main
+
+    argv = ["run", *args] if command == "run" else ["config", "check", str(write(tmp_path, "")), *args]
+    try:
+        got = main(argv)
+    except SystemExit as exc:  # argparse's way out
+        got = exc.code
+    stderr = capsys.readouterr().err
+    assert got == status and phrase in stderr, stderr
 
 
 def test_overrides_apply_on_top_of_a_file_in_order(tmp_path):

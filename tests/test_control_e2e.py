@@ -52,6 +52,12 @@ def test_ping_status_config(daemon, client):
     assert all(w.episodes > 0 and w.last_return is not None for w in client.status().workers)
 
 
+def test_metrics_url_is_null_when_metrics_are_off(client):
+    """The shared daemon runs with metrics.enabled = false (a daemon with metrics:
+    test_control_defaults.py)."""
+    assert client.ping()["metrics_url"] is None and client.status().metrics_url is None
+
+
 def test_ipc_socket_is_private(daemon):
     for address in (daemon.control_address, daemon.control_address.replace("control.sock", "events.sock")):
         mode = stat.S_IMODE(os.stat(address[len("ipc://"):]).st_mode)
@@ -122,6 +128,35 @@ def test_weights_change_behaviour_exactly_at_the_stamped_version(daemon, client)
     assert int(mine.sum()) > 0
     assert bool((rows.get(("ingestd", "policy_version"))[mine] == v2).all())
     assert bool((rows.get("action").reshape(-1)[mine] == 0).all())
+
+
+def test_a_push_while_paused_is_deferred_and_applied_on_resume(client):
+    """Paused workers cannot apply a push before they resume: the reply lists them in
+    ``deferred`` (not in ``applied``, and not left out), and they apply it on resume."""
+    client.pause()
+    before = client.status().weights_version
+    pushed = client.push_weights_detailed(control_plugins.weights(0.0))
+    assert (pushed.version, pushed.applied, pushed.deferred) == (before + 1, [], [0, 1]), pushed
+    assert [(w.state, w.weights_version) for w in client.status().workers] == [("paused", before)] * 2
+    client.resume()
+    wait_for(lambda: [w.weights_version for w in client.status().workers] == [pushed.version] * 2, 10,
+             "the resumed workers to apply the deferred version")
+
+
+@pytest.mark.parametrize("state", [{"bias": torch.zeros(2)}, {"bias": torch.tensor([float("nan")])}],
+                         ids=["wrong shape", "NaN"])
+def test_a_push_the_daemon_refuses_is_bad_weights(client, state):
+    """``except ingestd.BadWeights`` catches a push the daemon refused as well as one refused
+    while encoding; it is still a ``CommandFailed`` with the stable code."""
+    import ingestd
+
+    version = client.status().weights_version
+    with pytest.raises(ingestd.BadWeights) as err:
+        client.push_weights(state)
+    assert isinstance(err.value, ingestd.WeightsRejected) and isinstance(err.value, CommandFailed)
+    assert isinstance(err.value, ValueError) and err.value.code == "bad_weights"
+    assert "nothing was changed" in err.value.message
+    assert client.status().weights_version == version
 
 
 def _raw_push(daemon, frames: list, timeout: float = 3.0):

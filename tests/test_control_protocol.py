@@ -9,9 +9,11 @@ import pytest
 import zmq
 from hypothesis import given, settings, strategies as st
 
-from ingestd import BadReply, CommandFailed
+from ingestd import BadReply, BadWeights, CommandFailed
 from ingestd.control import curve
-from ingestd.control.commands import COMMANDS, GetStatus, Pause, PushWeights, Restart, Scale, Snapshot, Status
+from ingestd.control.commands import (
+    COMMANDS, GetStatus, Pause, Pong, PushWeights, Reloaded, Restart, Scale, Snapshot, Status,
+)
 from ingestd.control.protocol import (
     ErrorCode, Limits, RequestError, decode_reply, encode_error, encode_header, encode_result, parse_header, peek_id,
 )
@@ -133,11 +135,28 @@ def test_replies():
     with pytest.raises(CommandFailed) as err:
         failed.unwrap()
     assert err.value.code == "busy" and ErrorCode.BUSY.retryable and not ErrorCode.BAD_WEIGHTS.retryable
+    assert not isinstance(err.value, BadWeights)
+    with pytest.raises(BadWeights) as refused:  # a refused push is a BadWeights too, and still a CommandFailed
+        decode_reply([encode_error("b", ErrorCode.BAD_WEIGHTS, "mismatched")]).unwrap()
+    assert isinstance(refused.value, CommandFailed) and refused.value.code == "bad_weights"
     for frames in ([b"{}"], [b"x"], [b'{"v": 1, "ok": false}'], [b'{"v": 1, "ok": true}'], [b"{}", b"{}"]):
         with pytest.raises(BadReply):
             decode_reply(frames)
     with pytest.raises(BadReply, match="lacks"):
         Status.from_json({"pid": 1})
+
+
+def test_a_reply_from_an_older_daemon_lacks_only_the_fields_added_since():
+    """Fields added to a result later have defaults: a reply without them still decodes, one
+    without an original field is a BadReply naming exactly what is missing."""
+    old = {"applied": ["log_level"], "not_applied": []}
+    assert Reloaded.from_json(old) == Reloaded(["log_level"], [], None)
+    assert Reloaded.from_json({**old, "config_file": "/etc/x.toml"}).config_file == "/etc/x.toml"
+    with pytest.raises(BadReply, match=r"lacks \['not_applied'\]"):
+        Reloaded.from_json({"applied": [], "config_file": None})
+    pong = {"pong": True, "pid": 1, "version": "0", "protocol": 1, "events_address": "ipc://e", "time": 0.0}
+    assert Pong.from_json(pong).metrics_url is None
+    assert Pong.from_json({**pong, "metrics_url": "http://h:1/metrics"}).metrics_url == "http://h:1/metrics"
 
 
 def test_ipc_socket_mode_is_private_even_with_a_lax_umask(tmp_path):
@@ -205,6 +224,43 @@ def test_lazy_pirate_resends_on_a_fresh_socket_and_drops_stale_replies():
         assert client.ping() == {"pong": True}
     thread.join()
     assert len(seen) == 2 and seen[0] != seen[1], "the retry must use a fresh socket"
+
+
+def test_a_client_waits_for_a_daemon_that_is_still_starting(tmp_path):
+    """By default a client whose ipc socket file does not exist yet keeps trying within its
+    timeout (a trainer started next to the daemon); ``wait_for_socket=False`` (ingestctl) says
+    at once that there is no socket, and sends nothing."""
+    import threading
+    import time
+
+    from ingestd import ControlClient, DaemonUnavailable
+
+    address = f"ipc://{tmp_path}/control.sock"
+    with ControlClient(address, timeout=5.0, wait_for_socket=False) as impatient:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match=f"no socket at {tmp_path}/control.sock"):
+            impatient.ping()
+        assert time.monotonic() - t0 < 0.5
+
+    def start_late():
+        time.sleep(0.5)
+        server = zmq.Context.instance().socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        server.bind(address)
+        try:
+            if server.poll(5000):
+                identity, head = server.recv_multipart()
+                server.send_multipart([identity, encode_result(json.loads(head)["id"], {"pong": True})])
+        finally:
+            server.close(0)
+
+    thread = threading.Thread(target=start_late)
+    thread.start()
+    try:
+        with ControlClient(address, timeout=5.0) as patient:
+            assert patient.ping() == {"pong": True}
+    finally:
+        thread.join()
 
 
 def test_non_idempotent_commands_are_not_resent():

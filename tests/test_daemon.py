@@ -378,3 +378,109 @@ def test_a_restarted_daemon_keeps_its_weight_store_and_versions_stay_monotonic()
         if trainer is not None:
             trainer.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_start_weights_resume_keeps_the_pushed_weights_initial_starts_from_the_policys():
+    """The previous daemon's weight store is still in the runtime dir (a stop outside systemd):
+    by default (service.start_weights = "resume") the next daemon keeps the trainer's pushed
+    weights current, and its log says how to start fresh; with "initial" it publishes the
+    policy's initial weights as a new version, past the pushed one and every version in the
+    replay, and its workers collect with them."""
+    import shutil
+    import tempfile
+
+    from ingestd import ControlClient
+    from ingestd.weights import WeightStore
+
+    root = Path(tempfile.mkdtemp(prefix="ingestd-s-", dir="/dev/shm"))
+    dirs = {"service.data_dir": str(root / "data"), "service.runtime_dir": str(root / "run"),
+            "replay.path": str(root / "data" / "replay"), "workers.count": 1}
+    weights_path, address = root / "run" / "weights", f"ipc://{root}/run/control.sock"
+
+    def stored_weights() -> tuple[int, dict]:
+        with WeightStore.attach(weights_path) as store:
+            return store.read()
+
+    def collected_with(d: DaemonProc, since: int) -> set[int]:
+        """The versions stamped on rows this daemon's worker wrote (write index >= ``since``),
+        once there are some."""
+        d.wait_ready(rows=since + 1)
+        rows = all_rows(d.replay_path)
+        return set(rows["ingestd", "policy_version"][rows["ingestd", "write_index"] >= since].tolist())
+
+    def written(d: DaemonProc) -> int:
+        with ReplayReader(d.replay_path) as reader:
+            return reader.write_count
+
+    try:
+        with DaemonProc(overrides=dirs) as d:
+            d.wait_ready(rows=1)
+            first, initial = stored_weights()
+            trained = {k: v if k == "epsilon" else v + 1.0 for k, v in initial.items()}
+            with ControlClient(address) as ctl:
+                pushed = ctl.push_weights(trained, wait=True)
+            assert pushed == first + 1
+            since = written(d)
+            wait_for(lambda: pushed in collected_with(d, since), 20, f"rows of version {pushed}")
+            assert d.stop() == 0
+            since = written(d)
+        with DaemonProc(overrides=dirs) as d:  # resume, the default
+            assert collected_with(d, since) == {pushed}
+            version, state = stored_weights()
+            assert version == pushed and all(torch.equal(state[k], trained[k]) for k in trained)
+            assert d.stop() == 0
+            since = written(d)
+            assert f"resuming from weights version {pushed}" in d.log()
+            assert "service.start_weights = \"initial\"" in d.log(), d.log()
+        with DaemonProc(overrides={**dirs, "service.start_weights": "initial"}) as d:
+            assert collected_with(d, since) == {pushed + 1}, "a new version, past the pushed one and every row's"
+            version, state = stored_weights()
+            assert version == pushed + 1
+            assert all(torch.equal(state[k], initial[k]) for k in initial), "the policy's initial weights"
+            assert d.stop() == 0
+            assert f"starting from the policy's initial weights as version {version}" in d.log(), d.log()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# -- the weight store a daemon starts with (ingestd.service.layout._weight_store) ---------------------
+# (version the runtime dir's store reached (None: no store), newest version in the replay,
+#  service.start_weights, version published at start, which weights it holds)
+START_WEIGHTS = [
+    (5, 2, "resume", 5, "old"),  # the previous daemon's weights stay current
+    (2, 5, "resume", 6, "old"),  # ... renumbered past rows of later versions in the replay
+    (5, 2, "initial", 6, "initial"),  # the policy's initial weights, past the old store's version
+    (2, 5, "initial", 6, "initial"),  # ... and past the replay's
+    (None, 0, "resume", 1, "initial"),  # nothing left: version 1
+    (None, 4, "initial", 5, "initial"),
+]
+
+
+@pytest.mark.parametrize("left, stored, mode, version, holds", START_WEIGHTS)
+def test_start_weights_versions_never_go_backwards(tmp_path, left, stored, mode, version, holds):
+    from ingestd.service.layout import _weight_store
+    from ingestd.weights import WeightStore
+    from ingestd.weights.wire import manifest_of
+
+    path = tmp_path / "weights"
+    old, initial = {"w": torch.full((3,), 7.0)}, {"w": torch.zeros(3)}
+    if left is not None:
+        with WeightStore.create(path, manifest_of(old)) as store:
+            store.publish(old, version=left)
+    with _weight_store(path, manifest_of(initial), initial, stored, resume=mode == "resume") as store:
+        got, state = store.read()
+    assert got == version and torch.equal(state["w"], (old if holds == "old" else initial)["w"])
+
+
+@pytest.mark.parametrize("mode", ["resume", "initial"])
+def test_a_store_of_another_policy_shape_is_replaced_past_its_version(tmp_path, mode):
+    from ingestd.service.layout import _weight_store
+    from ingestd.weights import WeightStore
+    from ingestd.weights.wire import manifest_of
+
+    path = tmp_path / "weights"
+    with WeightStore.create(path, manifest_of({"w": torch.ones(5)})) as store:
+        store.publish({"w": torch.ones(5)}, version=7)
+    initial = {"w": torch.zeros(3)}
+    with _weight_store(path, manifest_of(initial), initial, 2, resume=mode == "resume") as store:
+        assert store.read()[0] == 8 and torch.equal(store.read()[1]["w"], initial["w"])

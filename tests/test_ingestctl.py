@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,14 +41,15 @@ def run(daemon, capsys, *argv: str, as_json: bool = False) -> tuple[int, str, st
 
 COMMANDS = [
     (["ping"], "pong", lambda r: r["pong"] is True),
-    (["status"], "WORKER", lambda r: [w["state"] for w in r["workers"]] == ["running", "running"]),
+    (["status"], "metrics: off", lambda r: [w["state"] for w in r["workers"]] == ["running", "running"]),
     (["config"], '"workers"', lambda r: r["workers"]["env"] == "Checksum"),
     (["pause"], "paused: workers 0, 1", lambda r: r["workers"] == [0, 1]),
     (["resume"], "resumed: workers 0, 1", lambda r: r["workers"] == [0, 1]),
     (["restart", "1"], "restarted workers 1", lambda r: r["workers"] == [1]),
     (["restart"], "restarted workers 0, 1", lambda r: r["workers"] == [0, 1]),
     (["scale", "3"], "scaled to 3", lambda r: r["workers"] == [0, 1, 2]),
-    (["reload"], "reloaded", lambda r: r == {"applied": [], "not_applied": []}),
+    (["reload"], "reloaded ", lambda r: (r["applied"], r["not_applied"]) == ([], []) and
+     r["config_file"].endswith("/ingestd.toml")),
 ]
 
 
@@ -73,6 +75,67 @@ def test_push_weights_file(daemon, client, capsys, weights_file, as_json):
     else:
         assert f"weights v{version + 1}: applied by workers 0, 1" in out
     assert all(w.weights_version == version + 1 for w in client.status().workers)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_push_weights_while_paused_names_the_deferred_workers(daemon, client, capsys, weights_file, as_json):
+    client.pause()
+    code, out, err = run(daemon, capsys, "push-weights", weights_file, as_json=as_json)
+    assert code == 0, err
+    if as_json:
+        result = json.loads(out)["result"]
+        assert (result["applied"], result["deferred"]) == ([], [0, 1]), result
+    else:
+        assert "applied by workers none" in out and "paused workers 0, 1 apply it on resume" in out, out
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 3)
+
+
+MODULE = 'holds a pickled nn.Module, not a state dict: save it with torch.save(model.state_dict(), "{}")'
+NOT_TORCH = "is not a torch file ("
+WRONG_FILES = {  # how to write the file; how the message goes on after the file's name
+    "nn.Linear": (lambda f: torch.save(torch.nn.Linear(2, 3), f), MODULE),
+    "own nn.Module subclass": (lambda f: torch.save(Net(), f), MODULE),
+    "nn.Module, legacy format": (lambda f: torch.save(Net(), f, _use_new_zipfile_serialization=False), MODULE),
+    ".npy": (lambda f: np.save(f, np.zeros(3)), "is a NumPy .npy file, not a torch file"),
+    ".npz": (lambda f: np.savez(f, a=np.zeros(3)), NOT_TORCH),
+    "text": (lambda f: f.write(b"epsilon = 0.1\n"), NOT_TORCH),
+    "text 'e'": (lambda f: f.write(b"e"), NOT_TORCH),
+    "empty": (lambda f: None, "is empty"),
+    "truncated": (lambda f: f.write(_saved({"bias": torch.zeros(1)})[:300]), "is a damaged torch file"),
+    "other pickled object": (lambda f: torch.save({"bias": torch.zeros(1), "obj": NotATensor()}, f),
+                             "holds pickled Python objects besides tensors (test_ingestctl.NotATensor)"),
+}
+
+
+def _saved(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("case", list(WRONG_FILES))
+def test_push_weights_says_what_is_wrong_with_the_file(tmp_path, capsys, case):
+    """One clear line per kind of wrong file, exit 65; never torch's advice to load with
+    weights_only=False (it would run the file's code), never its ANSI escapes. No daemon needed:
+    the file is refused before anything is sent."""
+    write, expected = WRONG_FILES[case]
+    path = tmp_path / "w.pt"
+    with open(path, "wb") as f:
+        write(f)
+    code = cli.main(["--json", "--connect", "ipc:///dev/shm/ingestd-nobody.sock", "push-weights", str(path)])
+    out, err = capsys.readouterr()
+    assert code == cli.EX_DATAERR, err
+    error = json.loads(out)["error"]
+    assert error["code"] == "bad_input"
+    assert error["message"].startswith(f"{path} {expected.format(path)}"), error["message"]
+    assert "weights_only" not in error["message"] and "\x1b" not in err and "\n" not in error["message"]
 
 
 def test_exit_codes(daemon, client, capsys, tmp_path):
@@ -176,6 +239,55 @@ def test_events_follow_the_stream(daemon, client, as_json):
         assert all(e["event"]["workers"] == [0, 1] for e in events)
     else:
         assert all((" paused " in line or " resumed " in line) and "workers=[0, 1]" in line for line in lines)
+
+
+def test_keygen_refuses_a_missing_directory(tmp_path, capsys):
+    """It used to create the whole tree silently (a typo in --dir made keys nobody looks for)."""
+    missing = tmp_path / "no" / "such"
+    assert cli.main(["--json", "keygen", "trainer", "--dir", str(missing)]) == cli.EX_CANTCREAT
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "no_directory" and f"create it first: mkdir -m 700 {missing}" in error["message"]
+    assert not (tmp_path / "no").exists()
+    assert cli.main(["keygen", "--dir", str(tmp_path)]) == cli.EX_USAGE  # NAME is required
+
+
+def test_keygen_is_shown_with_its_name():
+    """Every hint and synopsis shows ``ingestctl keygen NAME [--dir D]``: bare ``keygen`` exits 64."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    texts = {path: path.read_text() for path in (root / "README.md", root / "docs" / "protocol.md",
+                                                  *(root / "ingestd" / "control").glob("*.py"))}
+    bare = {str(path): re.findall(r".{0,30}\bkeygen`.{0,10}", text) for path, text in texts.items()}
+    assert not any(bare.values()), bare
+    assert "`keygen NAME [--dir D]`" in texts[root / "README.md"]
+
+
+def test_a_missing_ipc_socket_fails_at_once(capsys):
+    """No socket file: no daemon listens there, so ingestctl says so at once (exit 69), instead
+    of retrying for its whole --timeout (5 s) first."""
+    t0 = time.monotonic()
+    code = cli.main(["--json", "--connect", "ipc:///dev/shm/ingestd-nobody/control.sock", "status"])
+    out, err = capsys.readouterr()
+    assert code == cli.EX_UNAVAILABLE and time.monotonic() - t0 < 1.0, err
+    error = json.loads(out)["error"]
+    assert error["code"] == "daemon_unavailable" and "there is no socket at /dev/shm/ingestd-nobody/control.sock" \
+        in error["message"]
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_limiter_shows_no_error_while_disabled(daemon, client, capsys, as_json):
+    """A disabled limiter keeps no error (docs/metrics.md: NaN); its reply says null, not the
+    meaningless count of rows inserted since it was last configured."""
+    assert client.limiter().error is None
+    code, out, err = run(daemon, capsys, "limiter", as_json=as_json)
+    assert code == 0, err
+    if as_json:
+        result = json.loads(out)["result"]
+        assert result["enabled"] is False and result["error"] is None
+    else:
+        assert "limiter disabled" in out and "error: none while disabled" in out, out
 
 
 def test_keygen_modes(tmp_path, capsys):

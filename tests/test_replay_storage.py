@@ -469,6 +469,23 @@ def test_missing_paths(shm_dir):
             opener(shm_dir)
 
 
+def test_reader_given_the_daemons_data_dir_names_its_replay_subdirectory(shm_dir):
+    """replay.path defaults to <data_dir>/replay: a reader given the data dir says where the replay is."""
+    data_dir = shm_dir / "state"
+    (data_dir / "snapshots").mkdir(parents=True)
+    (data_dir / "replay").mkdir()
+    with pytest.raises(StorageNotFound, match="meta.json is missing") as info:  # replay/ is not a storage (yet)
+        ReplayReader(data_dir)
+    assert "did you mean" not in str(info.value)
+    filled(data_dir / "replay")
+    for given in (data_dir, str(data_dir)):
+        with pytest.raises(StorageNotFound, match="meta.json is missing") as info:
+            ReplayReader(given)
+        assert str(info.value).endswith(f"; did you mean {str(data_dir / 'replay')!r}?"), str(info.value)
+    with ReplayReader(data_dir / "replay") as reader:  # the hint's path works
+        assert len(reader) == 64
+
+
 def _meta_edit(field, value):
     def edit(meta):
         meta[field] = value

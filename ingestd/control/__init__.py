@@ -6,7 +6,8 @@
 - :mod:`~ingestd.control.server`: ``ControlServer``, the daemon-side service;
 - :mod:`~ingestd.control.client`: ``ControlClient`` and ``EventStream``;
 - :mod:`~ingestd.control.curve`: CURVE key files and the ZAP authenticator;
-- :mod:`~ingestd.control.cli`: ``ingestctl``.
+- :mod:`~ingestd.control.cli`: ``ingestctl``;
+- :mod:`~ingestd.control.torchfile`: why a file ``ingestctl push-weights`` refused is no state dict.
 
 The wire format is documented in ``docs/protocol.md``.
 """

@@ -8,8 +8,9 @@ Exit codes (sysexits.h, so scripts can tell what went wrong):
 64  usage error (bad arguments)
 65  the input file is not usable (push-weights: not a state dict of tensors)
 66  the input file does not exist or cannot be read
-69  no reply from the daemon within the timeout (not running, wrong address, no access)
-73  keygen: cannot write the key files (they exist: use --force)
+69  no daemon: no reply within the timeout (not running, wrong address, no access), or, at
+    once, no socket file at an ipc:// address
+73  keygen: cannot write the key files (they exist: use --force; or --dir does not exist)
 75  temporary failure: the daemon replied timeout, busy or unavailable; retrying may work
 76  the reply was not understood (not an ingestd socket, or a version mismatch)
 ==  =========================================================================
@@ -24,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from typing import Any, Callable
@@ -100,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--duration", type=float, metavar="S", help="exit after S seconds")
     cmd = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key (public) and NAME.key_secret (0600)")
     cmd.add_argument("name", metavar="NAME")
-    cmd.add_argument("--dir", default=".", help="directory to write to (default: .)")
+    cmd.add_argument("--dir", default=".", help="directory to write to; it must exist (default: .)")
     cmd.add_argument("--force", action="store_true", help="overwrite existing files")
     return p
 
@@ -189,7 +191,7 @@ def _client(args):
             raise UsageError("ingestctl: CURVE needs both --server-key and --client-key")
         keys = CurveKeys.load(args.server_key, args.client_key)
     try:
-        return ControlClient(args.connect, timeout=args.timeout, curve_keys=keys)
+        return ControlClient(args.connect, timeout=args.timeout, curve_keys=keys, wait_for_socket=False)
     except Exception as exc:  # a malformed $INGESTD_CONTROL or --connect
         raise UsageError(f"ingestctl: {exc}") from None
 
@@ -231,6 +233,7 @@ def format_status(s) -> str:
         f"replay: {r.rows}/{r.capacity} rows, write_count {r.write_count} ({r.path})",
         f"weights: v{s.weights_version}; desired: {s.desired}; workers wanted: {s.count}; "
         f"uptime {s.uptime_s:.0f} s; pid {s.pid}",
+        f"metrics: {s.metrics_url or 'off'}",
     ]
     return "\n".join(lines)
 
@@ -276,8 +279,9 @@ def load_state_dict(path: str) -> dict:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise InputError("no_input", f"cannot read {path}: {exc.strerror}", EX_NOINPUT) from None
     except Exception as exc:  # weights_only refuses pickled objects; torch raises various types
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-        raise InputError("bad_input", f"{path} is not a weights-only torch file: {first}", EX_DATAERR) from None
+        from ingestd.control.torchfile import explain
+
+        raise InputError("bad_input", explain(path, exc), EX_DATAERR) from None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not obj or not all(
@@ -299,9 +303,10 @@ def _limiter(client, args, out: Output) -> int:
 
     def text() -> str:
         lag = "-" if s.sampled_policy_lag is None else "/".join(f"{v:g}" for v in s.sampled_policy_lag)
+        error = "error: none while disabled" if s.error is None else f"error {s.error:g}"
         return (f"limiter {'enabled' if s.enabled else 'disabled'}: samples_per_insert {s.samples_per_insert:g}, "
                 f"window [{s.min_diff:g}, {s.max_diff:g}], min_size {s.min_size}\n"
-                f"error {s.error:g} (inserts {s.inserts}, samples {s.samples}); workers held back: "
+                f"{error} (inserts {s.inserts}, samples {s.samples}); workers held back: "
                 f"{_list(s.workers_blocked)} ({s.workers_blocked_s:.1f} s in total); readers waited "
                 f"{s.reader_blocked_s:.1f} s; sampled policy lag min/mean/max {lag}")
     return out.ok(s.to_json(), text)
@@ -315,8 +320,11 @@ def _snapshot(client, args, out: Output) -> int:
 
 def _reload(client, args, out: Output) -> int:
     r = client.reload()
+    if r.config_file is None:
+        return out.ok(r.to_json(), "no config file to re-read: the daemon runs on its embedded default config "
+                                   "(started without --config; its --set overrides stay); applied: none")
     extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
-    return out.ok(r.to_json(), f"reloaded; applied: {_list(r.applied)}{extra}")
+    return out.ok(r.to_json(), f"reloaded {r.config_file}; applied: {_list(r.applied)}{extra}")
 
 
 def _events(client, args, out: Output) -> int:
@@ -358,6 +366,11 @@ def _keygen(args, out: Output) -> int:
         public, secret = keygen(args.dir, args.name, force=args.force)
     except FileExistsError as exc:
         return out.error("exists", f"{exc.filename} exists; use --force to overwrite it", EX_CANTCREAT)
+    except FileNotFoundError:  # never created: a typo in --dir would leave the keys where nobody looks
+        return out.error("no_directory", f"directory {args.dir} does not exist; create it first: "
+                                         f"mkdir -m 700 {shlex.quote(args.dir)}", EX_CANTCREAT)
+    except NotADirectoryError:
+        return out.error("no_directory", f"{args.dir} is not a directory", EX_CANTCREAT)
     except OSError as exc:
         return out.error("cannot_write", f"cannot write keys in {args.dir}: {exc.strerror}", EX_CANTCREAT)
     except ValueError as exc:

@@ -13,6 +13,12 @@ resume, restart, scale, push_weights) may take ``timeout`` plus the wait it
 asks the daemon for (``timeout_s``, default ``ack_timeout``); a snapshot may
 take ``timeout`` plus its own wait (default ``SNAPSHOT_WAIT_S``).
 
+An ipc:// socket file that does not exist means no daemon listens there
+yet. By default a client keeps trying within its timeout, so a trainer
+started next to the daemon gets its answer once the daemon is up; with
+``wait_for_socket=False`` (what ``ingestctl`` uses) it raises
+``DaemonUnavailable`` at once, sending nothing.
+
 A client is not meant to be shared between threads; calls are serialised by
 a lock if it is.
 """
@@ -120,18 +126,24 @@ class CurveKeys:
 
 
 class ControlClient:
-    """Talks to a running daemon. ``ControlClient()`` finds the local default socket."""
+    """Talks to a running daemon. ``ControlClient()`` finds the local default socket.
+
+    ``wait_for_socket``: whether a request to an ipc:// socket file that does not exist (yet)
+    waits up to ``timeout`` for a starting daemon to create it (the default), or fails at once.
+    """
 
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *, retries: int = 2,
                  ack_timeout: float = DEFAULT_ACK_TIMEOUT_S, curve_keys: CurveKeys | None = None,
-                 environ: Mapping[str, str] | None = None, context: zmq.Context | None = None):
+                 environ: Mapping[str, str] | None = None, context: zmq.Context | None = None,
+                 wait_for_socket: bool = True):
         if not (0 < timeout < math.inf and 0 < ack_timeout <= MAX_WAIT_S) or retries < 0:
             raise ValueError(f"timeout must be a finite number of seconds > 0, ack_timeout one in (0, {MAX_WAIT_S:g}] "
                              f"(the daemon waits no longer), and retries >= 0; got timeout={timeout}, "
                              f"ack_timeout={ack_timeout}, retries={retries}")
         self.address = check_address(address or default_address(environ))  # $INGESTD_CONTROL too
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
-        self.curve_keys = curve_keys
+        self.curve_keys, self.wait_for_socket = curve_keys, wait_for_socket
+        self._socket_file = _socket_file(self.address)
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None  # of _socket, made with it (a Poller per call costs)
@@ -167,8 +179,10 @@ class ControlClient:
 
     def push_weights(self, module_or_state_dict: Any, wait: bool = True, timeout_s: float | None = None) -> int:
         """Send new policy weights; returns their version. With ``wait`` the reply comes once
-        every live, collecting worker has applied them (paused ones apply them before their
-        next chunk). ``CommandFailed`` with code ``bad_weights`` if they do not fit the policy."""
+        every live, collecting worker has applied them (paused ones apply them once resumed:
+        ``push_weights_detailed(...).deferred``). ``BadWeights`` if they do not fit the policy:
+        raised here while encoding, or ``WeightsRejected`` (also a ``CommandFailed`` with code
+        ``bad_weights``) when the daemon refused them."""
         return self.push_weights_detailed(module_or_state_dict, wait, timeout_s).version
 
     def push_weights_detailed(self, module_or_state_dict: Any, wait: bool = True,
@@ -221,6 +235,8 @@ class ControlClient:
         waits = (request.wait_s or 0.0) + extra_wait
         budget = self.timeout + waits
         attempts = 1 + (self.retries if request.idempotent else 0)
+        if not self.wait_for_socket and self._socket_file is not None and not os.path.exists(self._socket_file):
+            raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: {self._no_socket()}")
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:
@@ -267,12 +283,15 @@ class ControlClient:
             self._socket.close(linger=0)
             self._socket = self._poller = None
 
+    def _no_socket(self) -> str:
+        return f"there is no socket at {self._socket_file}: is the daemon running with this runtime dir?"
+
     def _silence(self, cmd: str, budget: float, attempts: int) -> str:
         hint = ""
-        if self.address.startswith("ipc://") and not self.address.startswith("ipc://@"):
-            path = self.address[len("ipc://"):]
+        path = self._socket_file
+        if path is not None:
             if not os.path.exists(path):
-                hint = f"; there is no socket at {path}: is the daemon running with this runtime dir?"
+                hint = f"; {self._no_socket()}"
             elif not os.access(path, os.W_OK):
                 hint = f"; you have no write access to {path} (join the daemon's group)"
         elif self.address.startswith("tcp://") and self.curve_keys is None:
@@ -292,6 +311,13 @@ class ControlClient:
 
     def __repr__(self) -> str:
         return f"ControlClient({self.address!r}, timeout={self.timeout})"
+
+
+def _socket_file(address: str) -> str | None:
+    """The file of an ipc:// address (None for tcp:// and abstract ``ipc://@name`` sockets)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        return address[len("ipc://"):]
+    return None
 
 
 _RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)

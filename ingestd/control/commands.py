@@ -285,13 +285,22 @@ class Result:
     """Typed results: ``to_json`` on the daemon, ``from_json`` (lenient about extra keys) on the client."""
 
     _names: ClassVar[dict[type, tuple[str, ...]]] = {}
+    _optional: ClassVar[dict[type, frozenset[str]]] = {}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         names = Result._names.get(cls)
         if names is None:
-            names = Result._names[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            names = Result._names[cls] = tuple(f.name for f in fields)
+            # fields added to the protocol later have a default: a reply from an older daemon lacks them
+            Result._optional[cls] = frozenset(f.name for f in fields if f.default is not dataclasses.MISSING)
         return names
+
+    @classmethod
+    def required_names(cls) -> frozenset[str]:
+        """The fields a reply must have (the others were added later, with defaults)."""
+        return frozenset(cls.field_names()) - Result._optional[cls]
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-able dicts (shallow: a copy of the fields, which a dataclass keeps in order)."""
@@ -305,8 +314,23 @@ class Result:
         try:
             return cls(**{name: obj[name] for name in names})
         except KeyError:
-            missing = sorted(n for n in names if n not in obj)
-            raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?") from None
+            missing = sorted(cls.required_names() - obj.keys())
+            if missing:
+                raise BadReply(f"{cls.__name__} reply lacks {missing}; is the daemon a different version?") from None
+            return cls(**{name: obj[name] for name in names if name in obj})
+
+
+@dataclass(frozen=True)
+class Pong(Result):
+    """``ping``: the daemon is there, and where its other endpoints are."""
+
+    pong: bool
+    pid: int
+    version: str  # ingestd's
+    protocol: int
+    events_address: str  # as bound (a wildcard tcp bind: connect to the control host, events_address())
+    time: float
+    metrics_url: str | None = None  # the /metrics page as bound (also with metrics.port = 0); None: metrics are off
 
 
 @dataclass(frozen=True)
@@ -345,6 +369,7 @@ class Status(Result):
     replay: ReplayStatus
     workers: list[WorkerStatus]
     config: dict[str, Any]  # the daemon passes it pre-encoded (protocol.Preencoded); clients get a dict
+    metrics_url: str | None = None  # as in Pong (None also from a daemon older than this field)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()
@@ -354,7 +379,7 @@ class Status(Result):
 
     @classmethod
     def from_json(cls, obj: Any) -> Status:
-        if not isinstance(obj, dict) or not obj.keys() >= set(cls.field_names()):
+        if not isinstance(obj, dict) or not obj.keys() >= cls.required_names():
             return Result.from_json.__func__(cls, obj)  # type: ignore[attr-defined]  # BadReply: says what is wrong
         if not isinstance(obj["workers"], list):
             raise BadReply("status 'workers' must be a list")
@@ -403,6 +428,7 @@ class Snapshotted(Result):
 class Reloaded(Result):
     applied: list[str]
     not_applied: list[str]  # changed keys that need a restart of the daemon
+    config_file: str | None = None  # the file re-read; None: the embedded default config (or an older daemon)
 
 
 @dataclass(frozen=True)
@@ -416,7 +442,7 @@ class LimiterState(Result):
     max_diff: float
     inserts: int
     samples: int
-    error: float
+    error: float | None  # None while disabled: no error is kept then (the metric is NaN)
     reader_blocked_s: float  # total time readers waited on the limiter
     reader_waits: int
     workers_blocked: list[int]  # workers held back right now

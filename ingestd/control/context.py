@@ -153,12 +153,25 @@ class Context:
     status_cache: ReplyCache = field(default_factory=lambda: ReplyCache(0.0))  # the control thread's (0: off)
     _config_cache: tuple[int, dict, Preencoded] | None = None
     _record_reader: RecordReader | None = None
+    _metrics_url: str | None = None
 
     def record_reader(self) -> RecordReader:
         """A fast reader of the workers' stats records, made on first use."""
         if self._record_reader is None:
             self._record_reader = RecordReader(self.daemon.layout.stats.records)
         return self._record_reader
+
+    def metrics_url(self) -> str | None:
+        """The daemon's ``/metrics`` page as its exporter bound it (so also the port the kernel
+        chose for ``metrics.port = 0``); None when metrics are off, or not serving yet."""
+        if self._metrics_url is None and self.daemon.config.metrics.enabled:  # not reloadable
+            from ingestd.metrics.exporter import MetricsExporter  # imported by the daemon already
+
+            for service in self.daemon.services:
+                if isinstance(service, MetricsExporter) and service.address is not None:
+                    host, port = service.address
+                    self._metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+        return self._metrics_url
 
     def deadline(self, request: Request) -> float:
         wait = request.wait_s or self.daemon.config.control.ack_timeout_s

@@ -9,6 +9,7 @@ client's ``NAME.key`` sits in ``control.curve_authorized_keys``.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import re
@@ -36,11 +37,17 @@ class KeyFileError(ValueError):
 
 
 def keygen(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (0644) and ``NAME.key_secret`` (0600) in ``directory``; return both paths."""
+    """Write ``NAME.key`` (0644) and ``NAME.key_secret`` (0600) in ``directory``; return both paths.
+
+    ``directory`` must exist (``FileNotFoundError``, ``NotADirectoryError``): creating it would
+    turn a typo into keys written where nobody looks for them."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
         raise ValueError(f"key name {name!r} must be letters, digits, '_', '-' or '.' (a file name)")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not directory.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such directory (create it first)", str(directory))
+    if not directory.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory))
     public, secret = zmq.curve_keypair()
     now = datetime.datetime.now().isoformat(timespec="seconds")
     public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
@@ -89,7 +96,8 @@ def load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
     path = Path(path)
     public, secret = _read_keys(path)
     if public is None or secret is None:
-        raise KeyFileError(f"{path} holds no secret key; use the NAME.key_secret file from `ingestctl keygen`")
+        raise KeyFileError(f"{path} holds no secret key; use the NAME.key_secret file that "
+                           "`ingestctl keygen NAME [--dir D]` writes")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         log.warning("CURVE secret key %s has mode %04o; other users may read it: chmod 600 it", path, mode)

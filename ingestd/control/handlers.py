@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ingestd import __version__
 from ingestd.collect.stats import Desired, PauseReason, State
 from ingestd.control.commands import (
-    Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
+    Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
 from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
@@ -33,8 +33,8 @@ log = logging.getLogger("ingestd.control")
 
 # -- fast handlers (control thread) ---------------------------------------------------
 def ping(ctx: Context, request: Ping) -> dict:
-    return {"pong": True, "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION,
-            "events_address": ctx.events_address, "time": time.time()}
+    return Pong(True, os.getpid(), __version__, PROTOCOL_VERSION, ctx.events_address, time.time(),
+                ctx.metrics_url()).to_json()
 
 
 _NOT_LIVE = (State.STOPPED, State.FAILED, State.EMPTY)
@@ -70,7 +70,7 @@ def _status(ctx: Context) -> dict:
     write_count = storage.write_count
     return Status(
         pid=os.getpid(), uptime_s=round(time.time() - daemon.started_at, 3), desired=Desired(sup.desired).name.lower(),
-        count=sup.count, weights_version=weights.version if weights is not None else 0,
+        count=sup.count, weights_version=weights.version if weights is not None else 0, metrics_url=ctx.metrics_url(),
         replay=ReplayStatus(str(storage.path), min(write_count, storage.capacity), storage.capacity, write_count),
         workers=_workers_status(ctx, ctx.slots(), now), config=ctx.config_json()).to_json()
 
@@ -232,12 +232,8 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
     published = time.monotonic()
     ctx.publish("weights.published", version=version)
     applied: list[int] = []
-    deferred: list[int] = []
+    collecting, deferred = _push_audience(ctx, version)
     if request.wait:
-        stats = layout.stats
-        pending = {i: int(stats[i]["pid"]) for i in ctx.slots()
-                   if int(stats[i]["state"]) in (State.STARTING, State.RUNNING) and pid_alive(int(stats[i]["pid"]))}
-
         def verdict(index: int, pid: int, rec) -> bool | None:
             if int(rec["pid"]) != pid or int(rec["state"]) in (State.FAILED, State.STOPPED, State.STOPPING):
                 return False
@@ -248,13 +244,31 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
                 return False
             return None
 
-        applied, _ = ctx.wait(pending, verdict, deadline, f"apply weights version {version}")
+        applied, _ = ctx.wait(collecting, verdict, deadline, f"apply weights version {version}")
     seconds = time.monotonic() - started
     ctx.daemon.telemetry.observe_push(seconds)
     log.info("weights v%d: %.1f MB decoded in %.1f ms, published in %.1f ms, applied by %s after %.1f ms in total",
              version, layout.manifest.total_bytes / 1e6, (decoded - started) * 1e3, (published - decoded) * 1e3,
              applied if request.wait else "(not waited for)", seconds * 1e3)
     return Pushed(version, applied, sorted(deferred), round(seconds, 6)).to_json()
+
+
+def _push_audience(ctx: Context, version: int) -> tuple[dict[int, int], list[int]]:
+    """The live workers a push of ``version`` reaches: ``{index: pid}`` of those that apply it
+    before their next chunk (or have already), and the paused ones, which apply it only once
+    resumed (``deferred``)."""
+    stats = ctx.daemon.layout.stats
+    collecting, paused = {}, []
+    for index in ctx.slots():
+        rec = stats[index]
+        state, pid = int(rec["state"]), int(rec["pid"])
+        if not pid_alive(pid):
+            continue
+        if state in (State.STARTING, State.RUNNING) or int(rec["weights_version"]) >= version:
+            collecting[index] = pid
+        elif state == State.PAUSED:
+            paused.append(index)
+    return collecting, paused
 
 
 def reload(ctx: Context, request: Reload) -> dict:
@@ -265,7 +279,9 @@ def reload(ctx: Context, request: Reload) -> dict:
             raise RequestError(ErrorCode.RELOAD_FAILED, f"{exc}; the running config was kept") from None
 
     result, _ = _locked_change(ctx, request, change, "the reload")
-    return Reloaded(list(result["applied"]), list(result["not_applied"])).to_json()
+    path = ctx.daemon.config_path
+    return Reloaded(list(result["applied"]), list(result["not_applied"]),
+                    None if path is None else os.path.abspath(path)).to_json()
 
 
 def profile(ctx: Context, request: Profile) -> dict:
@@ -321,6 +337,8 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
                and int(stats[i]["state"]) == State.RUNNING]
     lag = lim.sampled_lag()
     state = lim.state()
+    if not state["enabled"]:
+        state["error"] = None  # a disabled limiter keeps no error (docs/metrics.md: NaN)
     return LimiterState(**state, workers_blocked=blocked,
                         workers_blocked_s=round(sum(float(stats[i]["limiter_blocked_s"]) for i in ctx.slots()), 6),
                         sampled_policy_lag=list(lag[:3]) if lag else None).to_json()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Sequence
 
-from ingestd.errors import BadReply, CommandFailed
+from ingestd.errors import BadReply, CommandFailed, WeightsRejected
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024  # frame 0; the JSON header is small, payloads go in frames 1..n
@@ -246,10 +246,14 @@ class Reply:
     message: str | None = None
 
     def unwrap(self) -> Any:
-        """The result, or ``CommandFailed`` carrying the stable error code."""
+        """The result, or ``CommandFailed`` carrying the stable error code (for ``bad_weights``
+        its subclass ``WeightsRejected``, which is a ``BadWeights`` too)."""
         if self.ok:
             return self.result
-        raise CommandFailed(self.code, self.message)
+        raise _FAILURES.get(self.code, CommandFailed)(self.code, self.message)
+
+
+_FAILURES: dict[str | None, type[CommandFailed]] = {ErrorCode.BAD_WEIGHTS.value: WeightsRejected}
 
 
 def decode_reply(frames: Sequence[bytes]) -> Reply:

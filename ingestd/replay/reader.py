@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.errors import EmptyReplay, SampleTimeout, StorageReplaced
+from ingestd.errors import EmptyReplay, SampleTimeout, StorageNotFound, StorageReplaced
 from ingestd.replay import files
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
@@ -54,7 +54,14 @@ class ReplayReader(MappedStore):
         # swapped meanwhile is reported by the first check rather than missed
         self._attached_at = Path(path).expanduser().absolute()
         self._identity = _identity(self._attached_at)
-        super().__init__(path, writable=False)
+        try:
+            super().__init__(path, writable=False)
+        except StorageNotFound as exc:
+            inner = Path(path).expanduser() / "replay"
+            if not (inner / "meta.json").exists():
+                raise
+            # the daemon's data dir given for its replay (replay.path defaults to <data_dir>/replay)
+            raise StorageNotFound(f"{exc}; did you mean {str(inner)!r}?") from None
         self._next_attach_check = 0.0
         self._replaced: str | None = None
         self._rng = np.random.default_rng(seed)

@@ -17,12 +17,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def _override(text: str) -> str:
+    """A ``--set`` argument. Its syntax (``section.key=value``) is checked here, so a malformed one
+    is a usage error (exit 64) like any bad argument; its key and value are checked with the rest
+    of the config (exit 78)."""
+    from ingestd.service.config import split_override
+
+    try:
+        split_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ingestd", description="Experience-ingestion daemon for RL.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the daemon in the foreground (logs to stderr)")
     run.add_argument("--config", "-c", metavar="FILE", help="TOML config file (default: the embedded default)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+    run.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
+                     metavar="SECTION.KEY=VALUE",
                      help="override one config key (repeatable), e.g. --set workers.count=4")
     cfg = sub.add_parser("config", help="print the default config or the config reference, or check a config file")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
@@ -30,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     cfg_sub.add_parser("reference", help="print the config reference (Markdown; docs/config.md is this output)")
     check = cfg_sub.add_parser("check", help="validate a config file; exit 78 if it is wrong")
     check.add_argument("file")
-    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one config key (repeatable), as for run")
+    check.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
+                       metavar="SECTION.KEY=VALUE", help="override one config key (repeatable), as for run")
     rep = sub.add_parser("replay", help="snapshot a replay storage, or restore one from a snapshot")
     rep_sub = rep.add_subparsers(dest="replay_command", required=True)
     snap = rep_sub.add_parser("snapshot", help="copy a storage's committed rows into a new snapshot directory "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ingestd.errors import ConfigError
+from ingestd.errors import ConfigError, ConfigFileError
 from ingestd.service.config_schema import (
     ENV_ALIASES, LOG_LEVELS, MAX_WORKERS, SECTIONS, Address, Config, ControlConfig, FrozenTable, MetricsConfig,
     ReplayConfig, ServiceConfig, WorkersConfig, check_ipc_length, section_keys, suggest, toml_key, toml_value,
@@ -41,7 +41,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 __all__ = [
     "Config", "ServiceConfig", "ReplayConfig", "WorkersConfig", "ControlConfig", "MetricsConfig",
     "FrozenTable", "ResolvedPaths", "DEFAULT_TOML", "LIVE_KEYS", "ENV_ALIASES", "LOG_LEVELS", "MAX_WORKERS",
-    "load_config", "check_file", "config_from_dict", "config_to_toml", "with_overrides", "reference",
+    "ConfigFileError", "load_config", "check_file", "config_from_dict", "config_to_toml", "with_overrides",
+    "split_override", "reference",
     "reloadable_diff", "min_replay_capacity", "resolve_paths", "default_data_dir", "default_runtime_dir",
     "default_control_address",
 ]
@@ -160,7 +161,7 @@ def _check_control(c: ControlConfig) -> None:
     for key, address in (("control.address", c.address), ("control.events_address", c.events_address)):
         if address.startswith("tcp://") and not all(keys.values()):
             raise ConfigError(key, f"{address} would listen on the network, which requires CURVE "
-                                   "authentication: run `ingestctl keygen` and set control.curve_secret_key "
+                                   "authentication: run `ingestctl keygen NAME [--dir D]` and set control.curve_secret_key "
                                    "and control.curve_authorized_keys (or use ipc://, or \"\" for the local "
                                    "default)")
     if any(keys.values()) and not all(keys.values()):
@@ -210,32 +211,58 @@ def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         try:
             text = Path(where).read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ConfigError(where, "config file not found; write one with `ingestd config default > FILE`, "
-                                     "or give no file to use the built-in default") from None
+            raise ConfigFileError(where, "config file not found; write one with `ingestd config default > FILE`, "
+                                         "or give no file to use the built-in default") from None
         except OSError as exc:
-            raise ConfigError(where, f"cannot read the config file: {exc.strerror or exc}") from None
+            raise ConfigFileError(where, f"cannot read the config file: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
-            raise ConfigError(where, f"the config file is not UTF-8 text (byte {exc.start})") from None
+            raise ConfigFileError(where, f"the config file is not UTF-8 text (byte {exc.start})") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(where, f"TOML syntax error: {exc}{_quote_line(text, str(exc))}") from None
+        raise ConfigFileError(where, _syntax_error(text, str(exc))) from None
 
 
-def _quote_line(text: str, message: str) -> str:
-    match = re.search(r"line (\d+)", message)
+_AT = re.compile(r"\s*\(at (?:line (\d+), column (\d+)|end of document)\)$")
+
+
+def _syntax_error(text: str, message: str) -> str:
+    """tomllib's ``Invalid value (at line 2, column 9)`` as ``TOML syntax error at line 2, column 9:
+    Invalid value``, with the line quoted and the column marked."""
+    match = _AT.search(message)
+    if match is None:
+        return f"TOML syntax error: {message}"
+    what = message[:match.start()]
+    if match[1] is None:
+        return f"TOML syntax error at the end of the file: {what}"
+    line, column = int(match[1]), int(match[2])
     lines = text.splitlines()
-    if match is None or not 1 <= int(match[1]) <= len(lines):
-        return ""
-    return f"\n  {match[1]} | {lines[int(match[1]) - 1]}"
+    quoted = ""
+    if 1 <= line <= len(lines):
+        gutter = " " * len(str(line))
+        quoted = f"\n  {line} | {lines[line - 1]}\n  {gutter} | {' ' * (column - 1)}^"
+    return f"TOML syntax error at line {line}, column {column}: {what}{quoted}"
+
+
+def split_override(text: str) -> tuple[list[str], str]:
+    """``"workers.env_kwargs.id=x"`` -> ``(["workers", "env_kwargs", "id"], "x")``; a
+    :class:`ValueError` saying what an override looks like if ``text`` is not ``section.key=value``
+    (no ``=``, an empty or a one-part key). ``ingestd`` takes that as a usage error (exit 64)."""
+    name, sep, value = text.partition("=")
+    parts = name.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        owner = _owner_of(parts[0]) if len(parts) == 1 and parts[0] else None
+        hint = f"; did you mean {owner}.{text.strip()}?" if owner and sep else ""
+        raise ValueError(f"an override is section.key=value (e.g. workers.count=4), got {text!r}{hint}")
+    return parts, value
 
 
 def _apply_override(raw: dict[str, Any], text: str) -> None:
-    name, sep, value = text.partition("=")
-    name = name.strip()
-    parts = name.split(".")
-    if not sep or len(parts) < 2 or not all(parts):
-        raise ConfigError(name or text, f"an override is section.key=value (e.g. workers.count=4), got {text!r}")
+    try:
+        parts, value = split_override(text)
+    except ValueError as exc:
+        raise ConfigError(text.partition("=")[0].strip() or text, str(exc)) from None
+    name = ".".join(parts)
     node = raw
     for depth, part in enumerate(parts[:-1], start=1):
         child = node.setdefault(part, {})

@@ -27,6 +27,7 @@ from ingestd.service.config_toml import (  # noqa: F401  (re-exported for ingest
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+START_WEIGHTS = ("resume", "initial")  # service.start_weights
 ENV_ALIASES = ("CartPole", "Pixels", "Checksum", "Gym")
 MAX_WORKERS = 256  # the stats block has one record per worker (ingestd.collect.stats.MAX_WORKERS)
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
@@ -310,6 +311,14 @@ class ServiceConfig:
         Float(0.0), live=True)
     seed: int = setting(0, "Base random seed; each worker incarnation derives a distinct, reproducible seed.",
                         Int(0, 2**63 - 1))
+    start_weights: str = setting(
+        "resume", "The weights the daemon starts with when the previous daemon's weight store is still in "
+                  "runtime_dir (a restart, or another `ingestd run` on the same runtime_dir): \"resume\" keeps "
+                  "its last version current, so a trainer's pushes survive; \"initial\" publishes the policy's "
+                  "initial weights. With no store there (a new runtime_dir; under systemd `systemctl stop` "
+                  "removes /run/ingestd, `systemctl restart` keeps it) the initial weights are published either "
+                  "way. New weights are numbered past the old store's version and every policy_version in the "
+                  "replay, so versions never go backwards.", Choice(START_WEIGHTS))
 
 
 @dataclass(frozen=True)
@@ -381,7 +390,7 @@ class ControlConfig:
                            Address("ipc://<runtime_dir>/control.sock"))
     events_address: str = setting("", "Where the event PUB socket binds. tcp:// requires both CURVE keys.",
                                   Address("ipc://<runtime_dir>/events.sock"))
-    curve_secret_key: str = setting("", "The daemon's CURVE secret key file (from `ingestctl keygen`).",
+    curve_secret_key: str = setting("", "The daemon's CURVE secret key file (from `ingestctl keygen NAME [--dir D]`).",
                                     PathSetting("none"))
     curve_authorized_keys: str = setting("", "Directory of client CURVE public keys allowed to connect.",
                                          PathSetting("none"))

@@ -86,7 +86,8 @@ def build_layout(config, paths) -> Layout:
 
         state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         manifest = manifest_of(state)
-        weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage))
+        weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage),
+                                resume=config.service.start_weights == "resume")
     else:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
@@ -154,36 +155,60 @@ def check_factories(workers) -> None:
         raise ConfigError(key, str(exc)) from None
 
 
-def _weight_store(path, manifest, initial: dict, stored: int):
+def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True):
     """The daemon's weight store, versions kept monotonic across daemon restarts.
 
-    The previous daemon's store, if it holds the same policy shape, is reopened in place: its
-    last weights stay current, and readers that mapped the file keep following it. Otherwise
-    a new store starts from ``initial``, numbered past ``stored`` (the newest version in the
-    replay), so a version never names two different sets of weights."""
+    The previous daemon's store, if it holds the same policy shape, is reopened in place, so
+    readers that mapped the file keep following it: with ``resume`` (``service.start_weights``)
+    its last weights stay current, else ``initial`` is published into it. Otherwise a new store
+    starts from ``initial``. New weights are numbered past the old store's version and past
+    ``stored`` (the newest version in the replay), so a version never names two different sets
+    of weights."""
     from ingestd.weights.store import WeightStore
 
     path = Path(path)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a previous daemon killed while creating one
         stale.unlink(missing_ok=True)
-    weights = None
+    weights, left = None, 0  # left: the version an old store of another shape (or damaged) had reached
     try:
         weights = WeightStore.reopen(path, manifest)
         if weights is None and path.exists():
+            left = _version_in(path)
             log.warning("the weight store at %s holds another policy shape: starting a new one", path)
     except (CorruptStorage, OSError) as exc:  # damaged, or not ours to open: start over, but say so
+        left = _version_in(path)
         log.warning("replacing the weight store at %s: %s", path, exc)
     if weights is not None and weights.version > 0:
         os.chmod(path, WEIGHTS_MODE)  # a store made by an older daemon was 0600
-        log.info("resuming from weights version %d left by the previous daemon", weights.version)
-        if weights.version < stored:  # this replay holds rows of later versions (another store's)
+        previous = weights.version
+        if not resume:
+            version = weights.publish(initial, version=max(previous, stored) + 1)
+            log.info("starting from the policy's initial weights as version %d (service.start_weights = "
+                     "\"initial\"; the previous daemon left version %d in %s)", version, previous, path)
+            return weights
+        log.info("resuming from weights version %d left by the previous daemon in %s; to start from the "
+                 "policy's initial weights instead, set service.start_weights = \"initial\" (ingestd run "
+                 "--set service.start_weights=initial) or use a new service.runtime_dir", previous, path)
+        if previous < stored:  # this replay holds rows of later versions (another store's)
             weights.publish(weights.read()[1], version=stored + 1)
         return weights
     if weights is not None:  # made, but its creator died before publishing
         weights.close()
     weights = WeightStore.create(path, manifest, mode=WEIGHTS_MODE)
-    weights.publish(initial, version=max(1, stored + 1))
+    weights.publish(initial, version=max(left, stored) + 1)
     return weights
+
+
+def _version_in(path) -> int:
+    """The version a weight store at ``path`` had reached, whatever its policy shape (0 if it
+    cannot be read)."""
+    from ingestd.weights.store import WeightStore
+
+    try:
+        with WeightStore.attach(path) as old:
+            return old.version
+    except (IngestdError, OSError):
+        return 0
 
 
 def _newest_stored_version(storage: ReplayStorage) -> int:

@@ -1,0 +1,106 @@
+"""Why a file that ``torch.load(weights_only=True)`` refused is not a state dict, in one line.
+
+torch's own messages are long, carry ANSI escapes, and advise loading with
+``weights_only=False``, which would run whatever code the file pickled; and
+for a file that is no torch file at all they are a stray ``IndexError``.
+This looks at the file's bytes and, for a pickle, at its opcodes
+(``pickletools``: nothing is unpickled, no code runs) to say what it holds.
+"""
+from __future__ import annotations
+
+import pickletools
+import re
+import zipfile
+
+SAVE = 'torch.save(model.state_dict(), "{path}")'
+_PEEK = 16  # bytes shown of a file that is not a torch file
+_MAX_PICKLES = 4  # the legacy (non-zip) torch format is a few pickles in a row; the object is the 4th
+_MAX_NAMES = 3  # pickled class names shown
+# what every pickled nn.Module carries: its attribute dict's keys
+_MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules"})
+_TENSOR_MACHINERY = ("torch.", "collections.OrderedDict")  # what a pickled state dict names
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def explain(path: str, error: BaseException) -> str:
+    """``path`` and what is wrong with it, for a file ``torch.load`` could not load as weights."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PEEK)
+            if not head:
+                return f"{path} is empty: save the weights with {SAVE.format(path=path)}"
+            f.seek(0)
+            if zipfile.is_zipfile(f):
+                try:
+                    return _explain_zip(path, f, error)
+                except (zipfile.BadZipFile, NotImplementedError, ValueError, EOFError) as exc:
+                    return f"{path} is a damaged torch file: {_first_line(exc)}"
+            f.seek(0)
+            if head.startswith(b"\x93NUMPY"):
+                return f"{path} is a NumPy .npy file, not a torch file: save the weights with {SAVE.format(path=path)}"
+            if head.startswith(b"PK"):
+                return f"{path} is a damaged torch file (a truncated or corrupt zip archive): save it again"
+            if head.startswith(b"\x80"):  # a pickle: torch's legacy format, or a plain pickle
+                return _explain_pickle(path, _pickled_names(f, _MAX_PICKLES), error)
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror or exc}"
+    return (f"{path} is not a torch file (it starts with {head!r}; torch.save writes a zip archive): "
+            f"save the weights with {SAVE.format(path=path)}")
+
+
+def _explain_zip(path: str, f, error: BaseException) -> str:
+    with zipfile.ZipFile(f) as archive:
+        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        if not pickles:
+            return (f"{path} is not a torch file (a zip archive without the data.pkl that torch.save writes; "
+                    f"a NumPy .npz?): save the weights with {SAVE.format(path=path)}")
+        with archive.open(pickles[0]) as pickled:
+            names = _pickled_names(pickled, 1)
+    return _explain_pickle(path, names, error)
+
+
+def _explain_pickle(path: str, names: tuple[set[str], list[str]] | None, error: BaseException) -> str:
+    if names is not None:
+        strings, classes = names
+        if _MODULE_KEYS <= strings:
+            return f"{path} holds a pickled nn.Module, not a state dict: save it with {SAVE.format(path=path)}"
+        if classes:
+            shown = ", ".join(classes[:_MAX_NAMES]) + (", ..." if len(classes) > _MAX_NAMES else "")
+            return (f"{path} holds pickled Python objects besides tensors ({shown}), which ingestctl does not "
+                    f"unpickle (that could run code): save only tensors, with {SAVE.format(path=path)}")
+    return f"{path} is a damaged torch file: {_first_line(error)}"
+
+
+def _pickled_names(f, pickles: int) -> tuple[set[str], list[str]] | None:
+    """``(strings, classes)`` named in the first ``pickles`` pickles of ``f`` (classes other
+    than the tensor machinery a state dict pickles); None if ``f`` does not start with a pickle."""
+    strings: set[str] = set()
+    classes: list[str] = []
+    pending: list[str] = []  # the last two strings pushed: a STACK_GLOBAL's module and name
+    for n in range(pickles):
+        try:
+            for opcode, arg, _ in pickletools.genops(f):
+                if opcode.name == "GLOBAL":
+                    _add_class(classes, arg.replace(" ", "."))
+                elif opcode.name == "STACK_GLOBAL" and len(pending) == 2:
+                    _add_class(classes, ".".join(pending))
+                elif isinstance(arg, str):
+                    strings.add(arg)
+                    pending = [*pending[-1:], arg]
+        except Exception:  # not a pickle (or the end of the file): what was found so far
+            if n == 0 and not strings and not classes:
+                return None
+            break
+    return strings, classes
+
+
+def _add_class(classes: list[str], name: str) -> None:
+    if not name.startswith(_TENSOR_MACHINERY) and name not in classes:
+        classes.append(name)
+
+
+def _first_line(error: BaseException) -> str:
+    """torch's message, shortened to its first line, without ANSI escapes or loading advice."""
+    text = _ANSI.sub("", str(error)).strip()
+    line = (text.splitlines() or [type(error).__name__])[0]
+    return line.split(". ")[0][:200] if "weights_only" not in line else "it cannot be loaded as weights"

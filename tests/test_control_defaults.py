@@ -1,0 +1,71 @@
+"""A daemon started without ``--config`` (the embedded default config and ``--set`` overrides)
+and with ``metrics.port = 0``: what ``reload``, ``ping`` and ``status`` tell about it."""
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+
+from control_daemon import PLUGIN_ENV, SETTINGS, shared_paused, wait_collecting
+from daemon_proc import DaemonProc
+from ingestd import ControlClient
+from ingestd.control import cli
+
+
+class WithoutConfigFile(DaemonProc):
+    """``ingestd run`` with ``--set`` overrides only: no config file to re-read."""
+
+    def args(self) -> list[str]:
+        args = super().args()
+        at = args.index("--config")
+        return args[:at] + args[at + 2:]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    overrides = {**SETTINGS, "workers.count": 1, "replay.capacity": 100_000, "metrics.enabled": True,
+                 "metrics.port": 0}
+    with shared_paused(), WithoutConfigFile(overrides=overrides, env=PLUGIN_ENV) as d:
+        wait_collecting(d)
+        yield d
+
+
+@pytest.fixture
+def client(daemon):
+    with ControlClient(daemon.control_address, timeout=5.0) as c:
+        yield c
+
+
+def run(daemon, capsys, *argv: str, as_json: bool = False) -> tuple[int, str, str]:
+    code = cli.main(["--connect", daemon.control_address, *(["--json"] if as_json else []), *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_reload_says_there_is_no_config_file(daemon, client, capsys):
+    result = client.reload()
+    assert (result.applied, result.not_applied, result.config_file) == ([], [], None)
+    code, out, err = run(daemon, capsys, "reload")
+    assert code == 0, err
+    assert "no config file to re-read" in out and "embedded default config" in out, out
+    code, out, err = run(daemon, capsys, "reload", as_json=True)
+    assert json.loads(out)["result"] == {"applied": [], "not_applied": [], "config_file": None}
+
+
+def test_ping_and_status_tell_the_bound_metrics_port(daemon, client, capsys):
+    """With metrics.port = 0 the kernel picks the port: the log said which, and now the
+    control replies do too."""
+    logged = re.search(r"serving metrics on (http://\S+/metrics)", daemon.log())
+    assert logged is not None, daemon.log()
+    url = logged[1]
+    assert not url.endswith(":0/metrics")
+    assert client.ping()["metrics_url"] == client.status().metrics_url == url
+    with urllib.request.urlopen(url, timeout=10) as page:
+        assert "ingestd_replay_capacity_rows" in page.read().decode()
+    code, out, err = run(daemon, capsys, "status")
+    assert code == 0, err
+    assert f"metrics: {url}" in out, out
+    code, out, err = run(daemon, capsys, "status", as_json=True)
+    assert json.loads(out)["result"]["metrics_url"] == url
