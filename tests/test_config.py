@@ -172,7 +172,9 @@ def test_missing_file_names_the_path(tmp_path):
                                "    |         ^"),
     ('[service]\nlog_level = "info\n', "TOML syntax error at line 2, column 18: Illegal character"),
     ('log_level = "info', "TOML syntax error at the end of the file: Unterminated string"),
-], ids=["unclosed table", "missing value", "string not closed on its line", "string not closed at the end"])
+    ("# a\u2028b\n[workers]\ncount = \n", "TOML syntax error at line 3, column 9: Invalid value\n  3 | count = \n"),
+], ids=["unclosed table", "missing value", "string not closed on its line", "string not closed at the end",
+        "a line separator inside a comment"])
 def test_toml_syntax_error_names_the_file_line_and_column(tmp_path, text, message):
     """A file that is not TOML is not a bad key: the message starts with the file, says it is a
     TOML syntax error and where, and quotes the line with the column marked."""

@@ -147,16 +147,45 @@ def test_replies():
 
 
 def test_a_reply_from_an_older_daemon_lacks_only_the_fields_added_since():
-    """Fields added to a result later have defaults: a reply without them still decodes, one
+    """Fields added to a result later have defaults (``""``: not reported), so a reply without
+    them still decodes, and ingestctl does not mistake "not reported" for "none"; a reply
     without an original field is a BadReply naming exactly what is missing."""
+    from ingestd.control.cli import format_status
+
     old = {"applied": ["log_level"], "not_applied": []}
-    assert Reloaded.from_json(old) == Reloaded(["log_level"], [], None)
+    assert Reloaded.from_json(old) == Reloaded(["log_level"], [], "")
+    assert Reloaded.from_json({**old, "config_file": None}).config_file is None  # the embedded default
     assert Reloaded.from_json({**old, "config_file": "/etc/x.toml"}).config_file == "/etc/x.toml"
     with pytest.raises(BadReply, match=r"lacks \['not_applied'\]"):
         Reloaded.from_json({"applied": [], "config_file": None})
     pong = {"pong": True, "pid": 1, "version": "0", "protocol": 1, "events_address": "ipc://e", "time": 0.0}
-    assert Pong.from_json(pong).metrics_url is None
+    assert Pong.from_json(pong).metrics_url == ""
+    assert Pong.from_json({**pong, "metrics_url": None}).metrics_url is None  # metrics off
     assert Pong.from_json({**pong, "metrics_url": "http://h:1/metrics"}).metrics_url == "http://h:1/metrics"
+    worker = {"index": 0, "state": "running", "pid": 5, "incarnation": 1, "frames": 10, "frames_per_s": 1.0,
+              "episodes": 0, "last_return": None, "restarts": 0, "weights_version": 1, "heartbeat_age_s": 0.1,
+              "error": "", "pause_reason": ""}  # recent_returns came later (a default_factory field)
+    status = {"pid": 1, "uptime_s": 1.0, "desired": "run", "count": 1, "weights_version": 1,
+              "replay": {"path": "/r", "rows": 10, "capacity": 100, "write_count": 10}, "workers": [worker],
+              "config": {}}
+    old_status = Status.from_json(status)
+    assert old_status.workers[0].recent_returns == [] and old_status.metrics_url == ""
+    assert "metrics:" not in format_status(old_status)
+    assert "metrics: off" in format_status(Status.from_json({**status, "metrics_url": None}))
+
+
+def test_ingestctl_reload_text_for_each_kind_of_reply(monkeypatch, capsys):
+    """``ingestctl reload``: the file re-read, the embedded default, or an older daemon's reply
+    that does not say; the applied and not-applied keys are printed in every case."""
+    from ingestd.control import cli
+
+    for config_file, says in (("/etc/ingestd/ingestd.toml", "reloaded /etc/ingestd/ingestd.toml;"),
+                              (None, "no config file to re-read"), ("", "reloaded;")):
+        reply = Reloaded(["log_level"], ["replay.capacity"], config_file)
+        fake = type("Fake", (), {"reload": lambda self, reply=reply: reply})()
+        assert cli._reload(fake, None, cli.Output(as_json=False)) == 0
+        out = capsys.readouterr().out
+        assert says in out and "applied: log_level" in out and "needs a daemon restart: replay.capacity" in out, out
 
 
 def test_ipc_socket_mode_is_private_even_with_a_lax_umask(tmp_path):

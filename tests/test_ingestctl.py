@@ -1,6 +1,7 @@
 """``ingestctl`` against a real daemon: every command in text and --json, and its exit codes."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import stat
@@ -109,7 +110,45 @@ WRONG_FILES = {  # how to write the file; how the message goes on after the file
     "truncated": (lambda f: f.write(_saved({"bias": torch.zeros(1)})[:300]), "is a damaged torch file"),
     "other pickled object": (lambda f: torch.save({"bias": torch.zeros(1), "obj": NotATensor()}, f),
                              "holds pickled Python objects besides tensors (test_ingestctl.NotATensor)"),
+    # protocol 4 names the second class's module through the memo: the name must still be right
+    "memoized class names": (lambda f: torch.save({"a": collections.Counter(), "b": collections.deque()}, f,
+                                                  pickle_protocol=4),
+                             "holds pickled Python objects besides tensors (collections.Counter, collections.deque)"),
+    "encrypted zip member": (lambda f: f.write(_encrypted(_saved({"bias": torch.zeros(1), "obj": NotATensor()}))),
+                             "cannot be loaded as weights ("),
 }
+
+
+def _encrypted(archive: bytes) -> bytes:
+    """A zip whose members are flagged encrypted (zipfile cannot write one; the flag is enough
+    for it to refuse reading them)."""
+    out = bytearray(archive)
+    for signature, flags_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        at = out.find(signature)
+        while at >= 0:
+            out[at + flags_at] |= 1
+            at = out.find(signature, at + 4)
+    return bytes(out)
+
+
+def test_a_huge_pickle_is_looked_at_not_read_whole(tmp_path):
+    """What ingestctl says about a 64 MB pickle that is no state dict, found reading at most
+    about 16 MB of it (a mistaken 20 GB file must not be read into memory to be explained)."""
+    import pickle
+    import tracemalloc
+
+    from ingestd.control import torchfile
+
+    path = tmp_path / "huge.pkl"
+    path.write_bytes(pickle.dumps(b"x" * (64 << 20), protocol=4))
+    tracemalloc.start()
+    try:
+        message = torchfile.explain(str(path), RuntimeError("refused"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert message.startswith(str(path)) and "weights_only" not in message
+    assert peak < 24 << 20, f"explaining a 64 MB pickle took {peak / 2**20:.0f} MB"
 
 
 def _saved(obj) -> bytes:
@@ -120,6 +159,7 @@ def _saved(obj) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch.load on the protocol-4 case
 @pytest.mark.parametrize("case", list(WRONG_FILES))
 def test_push_weights_says_what_is_wrong_with_the_file(tmp_path, capsys, case):
     """One clear line per kind of wrong file, exit 65; never torch's advice to load with

@@ -30,6 +30,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _PAUSED_POLL_S = 0.001
 
 
+def _published(weights) -> int:
+    """The newest version in the weight store (0 without one): one int64 load."""
+    return 0 if weights is None else weights.version
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything one worker process needs: paths to shared objects, and its job."""
@@ -154,9 +159,13 @@ class Worker:
                 time.sleep(_PAUSED_POLL_S)
                 continue
             rec["state"], rec["pause_reason"] = State.RUNNING, PauseReason.NONE
-            if hold_worker(self.limiter, rec, self._beat, lambda: rec["desired"] == Desired.RUN):
-                continue  # held back by the rate limiter (ingestd.replay.limiter): look at desired again
+            # before the limiter's hold too: a worker held back applies a push (which waits for it)
             self.version = self._apply_weights(weights, policy, self.version)
+            published = _published(weights)
+            if hold_worker(self.limiter, rec, self._beat,
+                           lambda: rec["desired"] == Desired.RUN and _published(weights) == published):
+                continue  # held back by the rate limiter (ingestd.replay.limiter), until released, told
+                # otherwise, or new weights are published (applied above): look again
             t0 = time.perf_counter()
             with self.extras.profile.chunk():
                 frames, finished = self._collect(rollout, storage)

@@ -233,8 +233,7 @@ def format_status(s) -> str:
         f"replay: {r.rows}/{r.capacity} rows, write_count {r.write_count} ({r.path})",
         f"weights: v{s.weights_version}; desired: {s.desired}; workers wanted: {s.count}; "
         f"uptime {s.uptime_s:.0f} s; pid {s.pid}",
-        f"metrics: {s.metrics_url or 'off'}",
-    ]
+    ] + ([] if s.metrics_url == "" else [f"metrics: {s.metrics_url or 'off'}"])  # "": an older daemon's reply
     return "\n".join(lines)
 
 
@@ -320,11 +319,13 @@ def _snapshot(client, args, out: Output) -> int:
 
 def _reload(client, args, out: Output) -> int:
     r = client.reload()
-    if r.config_file is None:
-        return out.ok(r.to_json(), "no config file to re-read: the daemon runs on its embedded default config "
-                                   "(started without --config; its --set overrides stay); applied: none")
     extra = f"; needs a daemon restart: {_list(r.not_applied)}" if r.not_applied else ""
-    return out.ok(r.to_json(), f"reloaded {r.config_file}; applied: {_list(r.applied)}{extra}")
+    if r.config_file is None:
+        what = ("no config file to re-read: the daemon runs on its embedded default config "
+                "(started without --config; its --set overrides stay)")
+    else:  # "": an older daemon that does not say which file
+        what = f"reloaded {r.config_file}" if r.config_file else "reloaded"
+    return out.ok(r.to_json(), f"{what}; applied: {_list(r.applied)}{extra}")
 
 
 def _events(client, args, out: Output) -> int:

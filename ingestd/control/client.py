@@ -235,7 +235,7 @@ class ControlClient:
         waits = (request.wait_s or 0.0) + extra_wait
         budget = self.timeout + waits
         attempts = 1 + (self.retries if request.idempotent else 0)
-        if not self.wait_for_socket and self._socket_file is not None and not os.path.exists(self._socket_file):
+        if not self.wait_for_socket and self._socket_file is not None and not _may_exist(self._socket_file):
             raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: {self._no_socket()}")
         deadline = time.monotonic() + budget
         sent = 0
@@ -290,7 +290,7 @@ class ControlClient:
         hint = ""
         path = self._socket_file
         if path is not None:
-            if not os.path.exists(path):
+            if not _may_exist(path):
                 hint = f"; {self._no_socket()}"
             elif not os.access(path, os.W_OK):
                 hint = f"; you have no write access to {path} (join the daemon's group)"
@@ -311,6 +311,18 @@ class ControlClient:
 
     def __repr__(self) -> str:
         return f"ControlClient({self.address!r}, timeout={self.timeout})"
+
+
+def _may_exist(path: str) -> bool:
+    """False only if ``path`` is known not to exist (a directory this user cannot enter says
+    nothing: the daemon may well be there, and the reply's silence explains the access)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _socket_file(address: str) -> str | None:

@@ -294,7 +294,8 @@ class Result:
             fields = dataclasses.fields(cls)  # type: ignore[arg-type]
             names = Result._names[cls] = tuple(f.name for f in fields)
             # fields added to the protocol later have a default: a reply from an older daemon lacks them
-            Result._optional[cls] = frozenset(f.name for f in fields if f.default is not dataclasses.MISSING)
+            Result._optional[cls] = frozenset(f.name for f in fields if f.default is not dataclasses.MISSING
+                                              or f.default_factory is not dataclasses.MISSING)
         return names
 
     @classmethod
@@ -330,7 +331,8 @@ class Pong(Result):
     protocol: int
     events_address: str  # as bound (a wildcard tcp bind: connect to the control host, events_address())
     time: float
-    metrics_url: str | None = None  # the /metrics page as bound (also with metrics.port = 0); None: metrics are off
+    metrics_url: str | None = ""  # the /metrics page as bound (also with metrics.port = 0); None: metrics are off
+    # (or not serving yet); "": not reported, by a daemon older than this field
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ class Status(Result):
     replay: ReplayStatus
     workers: list[WorkerStatus]
     config: dict[str, Any]  # the daemon passes it pre-encoded (protocol.Preencoded); clients get a dict
-    metrics_url: str | None = None  # as in Pong (None also from a daemon older than this field)
+    metrics_url: str | None = ""  # as in Pong ("": not reported, by a daemon older than this field)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()
@@ -428,7 +430,7 @@ class Snapshotted(Result):
 class Reloaded(Result):
     applied: list[str]
     not_applied: list[str]  # changed keys that need a restart of the daemon
-    config_file: str | None = None  # the file re-read; None: the embedded default config (or an older daemon)
+    config_file: str | None = ""  # the file re-read; None: the embedded default config; "": not reported (older daemon)
 
 
 @dataclass(frozen=True)

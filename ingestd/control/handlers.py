@@ -245,6 +245,9 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
             return None
 
         applied, _ = ctx.wait(collecting, verdict, deadline, f"apply weights version {version}")
+        # a paused worker resumed meanwhile (a concurrent resume) and applied it: it is not deferred
+        caught_up = {i for i in deferred if int(layout.stats[i]["weights_version"]) >= version}
+        applied, deferred = sorted({*applied, *caught_up}), [i for i in deferred if i not in caught_up]
     seconds = time.monotonic() - started
     ctx.daemon.telemetry.observe_push(seconds)
     log.info("weights v%d: %.1f MB decoded in %.1f ms, published in %.1f ms, applied by %s after %.1f ms in total",

@@ -16,6 +16,7 @@ SAVE = 'torch.save(model.state_dict(), "{path}")'
 _PEEK = 16  # bytes shown of a file that is not a torch file
 _MAX_PICKLES = 4  # the legacy (non-zip) torch format is a few pickles in a row; the object is the 4th
 _MAX_NAMES = 3  # pickled class names shown
+_MAX_READ = 16 << 20  # bytes of pickle looked at, at most (a zip member's are decompressed as read)
 # what every pickled nn.Module carries: its attribute dict's keys
 _MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules"})
 _TENSOR_MACHINERY = ("torch.", "collections.OrderedDict")  # what a pickled state dict names
@@ -24,6 +25,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def explain(path: str, error: BaseException) -> str:
     """``path`` and what is wrong with it, for a file ``torch.load`` could not load as weights."""
+    try:
+        return _explain(path, error)
+    except Exception as exc:  # noqa: BLE001 - an odd file (an encrypted zip member, ...) must not crash the CLI
+        return f"{path} cannot be loaded as weights ({_first_line(exc) or type(exc).__name__}): " \
+               f"save them with {SAVE.format(path=path)}"
+
+
+def _explain(path: str, error: BaseException) -> str:
     try:
         with open(path, "rb") as f:
             head = f.read(_PEEK)
@@ -73,25 +82,65 @@ def _explain_pickle(path: str, names: tuple[set[str], list[str]] | None, error: 
 
 def _pickled_names(f, pickles: int) -> tuple[set[str], list[str]] | None:
     """``(strings, classes)`` named in the first ``pickles`` pickles of ``f`` (classes other
-    than the tensor machinery a state dict pickles); None if ``f`` does not start with a pickle."""
+    than the tensor machinery a state dict pickles), looking at no more than ``_MAX_READ``
+    bytes; None if ``f`` does not start with a pickle."""
     strings: set[str] = set()
     classes: list[str] = []
-    pending: list[str] = []  # the last two strings pushed: a STACK_GLOBAL's module and name
+    capped = _Capped(f, _MAX_READ)
     for n in range(pickles):
+        stack: list[str | None] = []  # what the last opcodes pushed, as far as names go
+        memo: dict[int, str | None] = {}
         try:
-            for opcode, arg, _ in pickletools.genops(f):
-                if opcode.name == "GLOBAL":
+            for opcode, arg, _ in pickletools.genops(capped):
+                name = opcode.name
+                if name == "GLOBAL":
                     _add_class(classes, arg.replace(" ", "."))
-                elif opcode.name == "STACK_GLOBAL" and len(pending) == 2:
-                    _add_class(classes, ".".join(pending))
+                    stack.append(None)
+                elif name == "STACK_GLOBAL":
+                    module, qualname = stack[-2:] if len(stack) == 2 else (None, None)
+                    if module is not None and qualname is not None:
+                        _add_class(classes, f"{module}.{qualname}")
+                    del stack[-2:]
+                    stack.append(None)
+                elif name == "MEMOIZE":
+                    memo[len(memo)] = stack[-1] if stack else None
+                elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[int(arg)] = stack[-1] if stack else None
+                elif name in ("GET", "BINGET", "LONG_BINGET"):
+                    stack.append(memo.get(int(arg)))
                 elif isinstance(arg, str):
                     strings.add(arg)
-                    pending = [*pending[-1:], arg]
-        except Exception:  # not a pickle (or the end of the file): what was found so far
+                    stack.append(arg)
+                else:
+                    stack.append(None)
+                del stack[:-2]  # only a STACK_GLOBAL's two operands matter
+        except Exception:  # not a pickle, the end of the file, or past _MAX_READ: what was found so far
             if n == 0 and not strings and not classes:
                 return None
             break
     return strings, classes
+
+
+class _Capped:
+    """The ``read``/``readline`` of a binary file, failing past ``limit`` bytes in all: a
+    huge pickle (a mistaken 20 GB file) is looked at, never read whole."""
+
+    def __init__(self, f, limit: int):
+        self._f, self._left = f, limit
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0 or n > self._left:
+            raise EOFError(f"more than {_MAX_READ} bytes")
+        data = self._f.read(n)
+        self._left -= len(data)
+        return data
+
+    def readline(self) -> bytes:
+        line = self._f.readline(self._left + 1)
+        if len(line) > self._left:
+            raise EOFError(f"more than {_MAX_READ} bytes")
+        self._left -= len(line)
+        return line
 
 
 def _add_class(classes: list[str], name: str) -> None:

@@ -58,7 +58,11 @@ class ReplayReader(MappedStore):
             super().__init__(path, writable=False)
         except StorageNotFound as exc:
             inner = Path(path).expanduser() / "replay"
-            if not (inner / "meta.json").exists():
+            try:
+                suggest = (inner / "meta.json").is_file()
+            except OSError:  # no access to look: say nothing more (Path.exists raises this on 3.11)
+                suggest = False
+            if not suggest:
                 raise
             # the daemon's data dir given for its replay (replay.path defaults to <data_dir>/replay)
             raise StorageNotFound(f"{exc}; did you mean {str(inner)!r}?") from None

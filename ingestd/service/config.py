@@ -236,7 +236,7 @@ def _syntax_error(text: str, message: str) -> str:
     if match[1] is None:
         return f"TOML syntax error at the end of the file: {what}"
     line, column = int(match[1]), int(match[2])
-    lines = text.splitlines()
+    lines = text.split("\n")  # as tomllib counts lines (splitlines also breaks at U+2028, ...)
     quoted = ""
     if 1 <= line <= len(lines):
         gutter = " " * len(str(line))
