@@ -468,3 +468,18 @@ def test_a_wildcard_events_bind_is_reached_at_the_control_host(advertised, contr
     from ingestd.control.client import events_address
 
     assert events_address(advertised, control) == expected
+
+
+@pytest.mark.parametrize("advertised, control, expected", [
+    ("http://0.0.0.0:9464/metrics", "tcp://gpu7.lab:5555", "http://gpu7.lab:9464/metrics"),
+    ("http://[::]:9464/metrics", "ipc:///run/ingestd/control.sock", "http://127.0.0.1:9464/metrics"),
+    ("http://127.0.0.1:41071/metrics", "tcp://gpu7.lab:5555", "http://127.0.0.1:41071/metrics"),
+    ("http://[::1]:9464/metrics", "tcp://gpu7.lab:5555", "http://[::1]:9464/metrics"),
+    (None, "tcp://gpu7.lab:5555", None),  # metrics off
+    ("", "tcp://gpu7.lab:5555", ""),  # not reported (an older daemon)
+])
+def test_a_wildcard_metrics_bind_is_reached_at_the_control_host(advertised, control, expected):
+    from ingestd.control.client import metrics_url
+
+    assert metrics_url(advertised, control) == expected
+

@@ -210,11 +210,17 @@ def _ping(client, args, out: Output) -> int:
 
 
 def _status(client, args, out: Output) -> int:
+    import dataclasses
+
+    from ingestd.control.client import metrics_url
     from ingestd.control.commands import GetStatus, Status
 
     raw = client.call(GetStatus())
 
-    return out.ok(raw, lambda: format_status(Status.from_json(raw)))
+    def text() -> str:
+        status = Status.from_json(raw)  # a wildcard metrics bind, shown where this client reaches it
+        return format_status(dataclasses.replace(status, metrics_url=metrics_url(status.metrics_url, client.address)))
+    return out.ok(raw, text)
 
 
 def format_status(s) -> str:

@@ -59,6 +59,7 @@ def default_address(environ: Mapping[str, str] | None = None) -> str:
 _ADDRESS_FORMS = "ipc:///absolute/path, ipc://@name or tcp://host:port"
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")  # a bind on every interface: not an address to connect to
 _TCP = re.compile(r"tcp://(?P<host>.+):(?P<port>\d+)")
+_HTTP = re.compile(r"http://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)(?P<path>/.*)")
 
 
 def check_address(address: str) -> str:
@@ -84,9 +85,23 @@ def events_address(advertised: str, control_address: str) -> str:
     match = _TCP.fullmatch(advertised)
     if match is None or match["host"] not in _WILDCARD_HOSTS:
         return advertised
+    return f"tcp://{_control_host(control_address)}:{match['port']}"
+
+
+def metrics_url(advertised: str | None, control_address: str) -> str | None:
+    """Where to scrape the page that ``ping`` and ``status`` say is at ``advertised``: a
+    wildcard bind (``0.0.0.0``, ``[::]``) is reached at the host of ``control_address``, as
+    for :func:`events_address`. None and ``""`` (metrics off, not reported) pass through."""
+    match = _HTTP.fullmatch(advertised or "")
+    if match is None or match["host"] not in _WILDCARD_HOSTS:
+        return advertised
+    return f"http://{_control_host(control_address)}:{match['port']}{match['path']}"
+
+
+def _control_host(control_address: str) -> str:
+    """The host a client reaches the daemon at: that of a tcp:// control address, else loopback."""
     control = _TCP.fullmatch(control_address)
-    host = control["host"] if control is not None else "127.0.0.1"
-    return f"tcp://{host}:{match['port']}"
+    return control["host"] if control is not None else "127.0.0.1"
 
 
 def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "CurveKeys | None",
