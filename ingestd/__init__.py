@@ -23,9 +23,9 @@ _LAZY = {
 
 __all__ = [
     *_LAZY,
-    "IngestdError", "StorageNotFound", "StorageReplaced", "CorruptStorage", "SchemaMismatch", "EmptyReplay", "SampleTimeout",
-    "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed", "WeightsRejected",
-    "BadReply",
+    "IngestdError", "StorageNotFound", "StorageReplaced", "CorruptStorage", "SchemaMismatch", "EmptyReplay",
+    "SampleTimeout", "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed",
+    "WeightsRejected", "BadReply",
 ]
 
 

@@ -41,7 +41,9 @@ from ingestd.control.commands import (
     MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
     Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
-from ingestd.control.protocol import PROTOCOL_VERSION, Reply, decode_reply, encode_header
+from ingestd.control.protocol import (
+    PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
+)
 from ingestd.errors import BadReply, DaemonUnavailable
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -158,7 +160,7 @@ class ControlClient:
         self.address = check_address(address or default_address(environ))  # $INGESTD_CONTROL too
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
         self.curve_keys, self.wait_for_socket = curve_keys, wait_for_socket
-        self._socket_file = _socket_file(self.address)
+        self._socket_file = socket_file(self.address)
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None  # of _socket, made with it (a Poller per call costs)
@@ -335,16 +337,9 @@ def _may_exist(path: str) -> bool:
         os.stat(path)
     except FileNotFoundError:
         return False
-    except OSError:
-        return True
+    except OSError:  # EACCES on a directory: unknown
+        pass
     return True
-
-
-def _socket_file(address: str) -> str | None:
-    """The file of an ipc:// address (None for tcp:// and abstract ``ipc://@name`` sockets)."""
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        return address[len("ipc://"):]
-    return None
 
 
 _RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)

@@ -339,10 +339,7 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
     blocked = [i for i in ctx.slots() if int(stats[i]["pause_reason"]) == PauseReason.LIMITER
                and int(stats[i]["state"]) == State.RUNNING]
     lag = lim.sampled_lag()
-    state = lim.state()
-    if not state["enabled"]:
-        state["error"] = None  # a disabled limiter keeps no error (docs/metrics.md: NaN)
-    return LimiterState(**state, workers_blocked=blocked,
+    return LimiterState(**lim.state(), workers_blocked=blocked,
                         workers_blocked_s=round(sum(float(stats[i]["limiter_blocked_s"]) for i in ctx.slots()), 6),
                         sampled_policy_lag=list(lag[:3]) if lag else None).to_json()
 

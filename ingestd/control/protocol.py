@@ -101,6 +101,13 @@ class Header:
 RequestId = str | int | None
 
 
+def socket_file(address: str) -> str | None:
+    """The file of an ipc:// address (None for tcp:// and abstract ``ipc://@name`` sockets)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        return address[len("ipc://"):]
+    return None
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 

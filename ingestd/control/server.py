@@ -34,6 +34,7 @@ from ingestd.control.context import Context, ReplyCache
 from ingestd.control.handlers import HANDLERS, Handler
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
+    socket_file,
 )
 from ingestd.errors import ConfigError
 
@@ -55,7 +56,7 @@ def bind_private(sock: zmq.Socket, address: str) -> None:
 
     libzmq silently replaces an existing ipc socket file, which would steal a running
     daemon's socket: a live one is refused (``AddressInUse``), a stale one is replaced."""
-    path = address[len("ipc://"):] if address.startswith("ipc://") and not address.startswith("ipc://@") else None
+    path = socket_file(address)
     if path is None:
         sock.bind(address)
         return
@@ -155,8 +156,8 @@ class ControlServer:
             sock.close(0)
             key = "control.address" if kind == zmq.ROUTER else "control.events_address"
             raise ConfigError(key, f"cannot bind {address}: {exc}") from None
-        if address.startswith("ipc://") and not address.startswith("ipc://@"):
-            self._files.append(address[len("ipc://"):])
+        if (path := socket_file(address)) is not None:
+            self._files.append(path)
         return sock
 
     def _on_daemon_event(self, kind: str, **fields: Any) -> None:

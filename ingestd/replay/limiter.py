@@ -230,8 +230,9 @@ class Limiter:
         return int(self._i[W_LAG_MIN]), float(self._f[W_LAG_MEAN]), int(self._i[W_LAG_MAX]), at
 
     def state(self) -> dict:
+        """The parameters and counters; ``error`` is None while disabled (none is kept then)."""
         out = asdict(self.params)
-        out.update(inserts=int(self._inserts()), samples=self.samples, error=self.error(),
+        out.update(inserts=int(self._inserts()), samples=self.samples, error=self.error() if out["enabled"] else None,
                    reader_blocked_s=self.reader_blocked_s, reader_waits=self.reader_waits)
         return out
 

@@ -161,9 +161,9 @@ def _check_control(c: ControlConfig) -> None:
     for key, address in (("control.address", c.address), ("control.events_address", c.events_address)):
         if address.startswith("tcp://") and not all(keys.values()):
             raise ConfigError(key, f"{address} would listen on the network, which requires CURVE "
-                                   "authentication: run `ingestctl keygen NAME [--dir D]` and set control.curve_secret_key "
-                                   "and control.curve_authorized_keys (or use ipc://, or \"\" for the local "
-                                   "default)")
+                                   "authentication: run `ingestctl keygen NAME [--dir D]` and set "
+                                   "control.curve_secret_key and control.curve_authorized_keys (or use ipc://, "
+                                   "or \"\" for the local default)")
     if any(keys.values()) and not all(keys.values()):
         missing = next(key for key, value in keys.items() if not value)
         raise ConfigError(missing, "must be set too: CURVE needs both control.curve_secret_key and "

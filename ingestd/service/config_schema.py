@@ -390,8 +390,8 @@ class ControlConfig:
                            Address("ipc://<runtime_dir>/control.sock"))
     events_address: str = setting("", "Where the event PUB socket binds. tcp:// requires both CURVE keys.",
                                   Address("ipc://<runtime_dir>/events.sock"))
-    curve_secret_key: str = setting("", "The daemon's CURVE secret key file (from `ingestctl keygen NAME [--dir D]`).",
-                                    PathSetting("none"))
+    curve_secret_key: str = setting("", "The daemon's CURVE secret key file (from `ingestctl keygen NAME "
+                                        "[--dir D]`).", PathSetting("none"))
     curve_authorized_keys: str = setting("", "Directory of client CURVE public keys allowed to connect.",
                                          PathSetting("none"))
     max_message_bytes: int = setting(256 * MiB, "Largest message accepted (ZMQ_MAXMSGSIZE); bounds weight "

@@ -169,14 +169,12 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
     path = Path(path)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a previous daemon killed while creating one
         stale.unlink(missing_ok=True)
-    weights, left = None, 0  # left: the version an old store of another shape (or damaged) had reached
+    weights = None
     try:
         weights = WeightStore.reopen(path, manifest)
         if weights is None and path.exists():
-            left = _version_in(path)
             log.warning("the weight store at %s holds another policy shape: starting a new one", path)
     except (CorruptStorage, OSError) as exc:  # damaged, or not ours to open: start over, but say so
-        left = _version_in(path)
         log.warning("replacing the weight store at %s: %s", path, exc)
     if weights is not None and weights.version > 0:
         os.chmod(path, WEIGHTS_MODE)  # a store made by an older daemon was 0600
@@ -194,6 +192,7 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
         return weights
     if weights is not None:  # made, but its creator died before publishing
         weights.close()
+    left = _version_in(path)  # an old store of another shape (or damaged): numbered past it too
     weights = WeightStore.create(path, manifest, mode=WEIGHTS_MODE)
     weights.publish(initial, version=max(left, stored) + 1)
     return weights
