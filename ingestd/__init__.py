@@ -19,6 +19,7 @@ _LAZY = {
     "ReplayReader": "ingestd.replay.reader",
     "ReplayStorage": "ingestd.replay.storage",
     "ControlClient": "ingestd.control.client",
+    "RateLimited": "ingestd.replay.limiter",
 }
 
 __all__ = [

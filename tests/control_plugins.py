@@ -21,6 +21,12 @@ class Readable(nn.Module):
         if pad:
             self.pad = nn.Parameter(torch.zeros(pad), requires_grad=False)
 
+    @staticmethod
+    def check_weights(state: dict) -> None:
+        """The policy's own test of a push (``Policy.check_weights``): a bias past 1000 is refused."""
+        if abs(float(state["bias"][0])) > 1000:
+            raise ValueError(f"bias {float(state['bias'][0]):g} is past 1000")
+
     def action(self) -> int:
         return int(round(float(self.bias[0]))) % self.num_actions
 

@@ -17,7 +17,7 @@ import zmq
 import control_plugins
 from control_daemon import client, daemon, snapshots  # noqa: F401  (pytest fixtures)
 from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, wait_for
-from ingestd import BadReply, CommandFailed, ControlClient, DaemonUnavailable
+from ingestd import BadReply, BadWeights, CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
 from ingestd.control.commands import Snapshot
@@ -143,8 +143,9 @@ def test_a_push_while_paused_is_deferred_and_applied_on_resume(client):
              "the resumed workers to apply the deferred version")
 
 
-@pytest.mark.parametrize("state", [{"bias": torch.zeros(2)}, {"bias": torch.tensor([float("nan")])}],
-                         ids=["wrong shape", "NaN"])
+@pytest.mark.parametrize("state", [{"bias": torch.zeros(2)}, {"bias": torch.tensor([float("nan")])},
+                                   {"bias": torch.tensor([5000.0])}],
+                         ids=["wrong shape", "NaN", "policy check_weights"])
 def test_a_push_the_daemon_refuses_is_bad_weights(client, state):
     """``except ingestd.BadWeights`` catches a push the daemon refused as well as one refused
     while encoding; it is still a ``CommandFailed`` with the stable code."""
@@ -230,8 +231,11 @@ def test_oversize_frame_gets_no_reply_and_changes_nothing(daemon, client):
     version = client.status().weights_version
     assert _raw_push(daemon, [_good()[0], b"z" * (MAX_MESSAGE_BYTES + 1)], timeout=1.0) is None
     assert client.status().weights_version == version
-    with pytest.raises(DaemonUnavailable):
-        with ControlClient(daemon.control_address, timeout=0.5) as c:
+    # the client asks the daemon's limit and refuses such a push itself: an oversize push is a
+    # bad push, not a daemon that seems to be down
+    assert client.ping()["max_message_bytes"] == MAX_MESSAGE_BYTES
+    with ControlClient(daemon.control_address, timeout=5) as c:
+        with pytest.raises(BadWeights, match="over the daemon's control.max_message_bytes of 65536"):
             c.push_weights({"bias": torch.zeros(1), "pad": torch.rand(MAX_MESSAGE_BYTES)}, timeout_s=0.5)
     assert client.ping()["pong"] and client.status().weights_version == version
     before = write_count(client)

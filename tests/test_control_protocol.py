@@ -6,6 +6,7 @@ import os
 import stat
 
 import pytest
+import torch
 import zmq
 from hypothesis import given, settings, strategies as st
 
@@ -452,6 +453,24 @@ def test_unusable_client_timeouts_are_refused(kwargs):
 
     with pytest.raises(ValueError, match="ack_timeout one in \\(0, 3600\\]"):
         ControlClient("ipc:///dev/shm/ingestd-nobody.sock", **kwargs)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda c: c.scale(2.5), TypeError, "the worker count must be an integer, got 2.5"),
+    (lambda c: c.scale("2"), TypeError, "the worker count must be an integer"),
+    (lambda c: c.restart([0, 1.5]), TypeError, "a worker index must be an integer"),
+    (lambda c: c.pause(timeout_s=float("nan")), ValueError, "timeout_s must be a number of seconds"),
+    (lambda c: c.scale(1, timeout_s=-1), ValueError, "timeout_s must be a number of seconds"),
+    (lambda c: c.push_weights({"w": torch.zeros(1)}, timeout_s="3"), ValueError, "timeout_s must be"),
+], ids=["scale-float", "scale-str", "restart-float", "pause-nan", "scale-negative", "push-str"])
+def test_client_arguments_are_refused_not_truncated(call, error, message):
+    """scale(2.5) scaled to 2, and a NaN timeout_s failed inside json.dumps: refused before
+    anything is sent (no daemon needed)."""
+    from ingestd import ControlClient
+
+    with ControlClient("ipc:///dev/shm/ingestd-nobody.sock", timeout=0.2, retries=0) as client:
+        with pytest.raises(error, match=message):
+            call(client)
 
 
 @pytest.mark.parametrize("advertised, control, expected", [

@@ -205,6 +205,7 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
     ["--timeout", "nan", "status"], ["profile", "0", "--seconds", "inf"], ["events", "--duration", "inf"],
     ["snapshot", "--wait", "nan"], ["--connect", "foo", "ping"], ["--connect", "tcp://*:5555", "status"],
     ["events", "--events", "foo"], ["scale", "abc"], ["frobnicate"], ["pause", "--wait"],
+    ["pause", "--wait", "5000"], ["push-weights", "w.pt", "--wait", "4000"],
 ], ids=" ".join)
 def test_bad_numbers_and_addresses_are_usage_errors_not_tracebacks(argv, capsys):
     """No daemon is needed: each is refused before anything is sent (nan and inf used to crash in
@@ -314,6 +315,18 @@ def test_a_missing_ipc_socket_fails_at_once(capsys):
     error = json.loads(out)["error"]
     assert error["code"] == "daemon_unavailable" and "there is no socket at /dev/shm/ingestd-nobody/control.sock" \
         in error["message"]
+
+
+def test_global_options_may_follow_the_command(daemon, capsys):
+    """``ingestctl status --json`` is how people type it: the options every command takes work
+    after the command too, and override the ones before it only when given."""
+    code = cli.main(["status", "--json", "--connect", daemon.control_address, "--timeout", "7"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["ok"] and "workers" in json.loads(out)["result"]
+    code = cli.main(["--json", "--connect", daemon.control_address, "ping", "--timeout", "7"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["result"]["pong"], err  # --json before, --timeout after: both kept
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])

@@ -45,6 +45,7 @@ def test_reader_blocks_while_the_trainer_is_ahead_and_unblocks_on_inserts(shm_di
         assert lim.samples == 10 and lim.error() == -10
         with pytest.raises(RateLimited, match="trainer is ahead"):
             r.sample(10)
+        assert lim.reader_refusals == 1 and lim.state()["reader_refusals"] == 1  # a polling trainer shows
         t0 = time.monotonic()
         with pytest.raises(SampleTimeout):
             r.sample(10, timeout=0.1)
@@ -233,7 +234,9 @@ def test_daemon_workers_wait_for_a_stopped_trainer_visibly_and_resume(tmp_path):
             frames = sum(w.frames for w in client.status().workers)
             time.sleep(0.3)
             assert sum(w.frames for w in client.status().workers) == frames  # held back, not dead
-            assert all(w.state == "running" for w in client.status().workers)
+            workers = client.status().workers
+            assert all(w.state == "running" for w in workers)
+            assert all(w.pause_reason == "limiter" for w in workers if w.index in state.workers_blocked)
             # a push reaches workers held back (a trainer pushes, then samples: waiting for the
             # sample would time the push out), and they stay held
             with WeightStore.attach(d.runtime_dir / "weights") as store:

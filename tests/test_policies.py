@@ -82,6 +82,22 @@ def test_pushed_epsilon_takes_effect():
     assert (policy(td)["action"] != greedy).float().mean() > 0.35
 
 
+@pytest.mark.parametrize("epsilon", [1.5, -0.1, float("nan")])
+def test_a_pushed_epsilon_outside_0_1_is_refused(epsilon):
+    """The daemon calls the policy's check_weights on every push: an epsilon the constructor
+    would refuse must not arrive by a push either."""
+    from ingestd.control.handlers import _check_policy_weights
+    from ingestd.errors import BadWeights
+
+    policy = MLP(CARTPOLE, seed=3)
+    state = mlp_qnet(CARTPOLE, epsilon=0.25).state_dict()
+    _check_policy_weights(policy, state)  # in range: accepted
+    assert float(state["epsilon"]) == 0.25
+    state["epsilon"] = torch.tensor(epsilon)
+    with pytest.raises(BadWeights, match="the policy refused them: epsilon must be in \\[0, 1\\]"):
+        _check_policy_weights(policy, state)
+
+
 @pytest.mark.parametrize("hidden, names", [
     ((64, 64), ["epsilon", "net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"]),
     ((32,), ["epsilon", "net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]),

@@ -240,8 +240,8 @@ def test_a_closed_reader_says_so_whatever_became_of_its_storage(shm_dir, monkeyp
 
 def test_the_attachment_is_checked_at_most_once_a_second(shm_dir, monkeypatch):
     calls = []
-    real = reader_module._identity
-    monkeypatch.setattr(reader_module, "_identity", lambda path: calls.append(path) or real(path))
+    real = reader_module.file_identity
+    monkeypatch.setattr(reader_module, "file_identity", lambda path: calls.append(path) or real(path))
     with ReplayReader(filled(shm_dir / "r", capacity=64, rows=100), seed=0) as reader:
         for _ in range(200):
             reader.sample(4)
@@ -467,6 +467,36 @@ def test_missing_paths(shm_dir):
             opener(shm_dir / "nowhere")
         with pytest.raises(StorageNotFound, match="meta.json is missing"):
             opener(shm_dir)
+    (shm_dir / "a_file").write_bytes(b"x")  # e.g. the weight store's path given for the replay's
+    for opener in (ReplayReader, ReplayStorage.open):
+        with pytest.raises(StorageNotFound, match="is a file, not a storage directory"):
+            opener(shm_dir / "a_file")
+
+
+def test_a_forked_reader_draws_its_own_slots(shm_dir):
+    """A DataLoader worker forked with the trainer's reader must not repeat the parent's draws."""
+    with PayloadStorage.create(shm_dir / "r", rp.spec("cartpole"), 512) as store:
+        store.write(rp.template(store.schema, 512))
+        with ReplayReader(store.path, seed=3) as r:
+            r.sample(8)  # the random pool is drawn before the fork
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: one sample's slots through the pipe, then out without cleanup
+                try:
+                    os.write(write_fd, r.sample(64).get(WRITE_INDEX).numpy().tobytes())
+                finally:
+                    os._exit(0)
+            os.close(write_fd)
+            child = b""
+            while len(child) < 64 * 8:
+                part = os.read(read_fd, 4096)
+                if not part:
+                    break
+                child += part
+            os.close(read_fd)
+            os.waitpid(pid, 0)
+            parent = r.sample(64).get(WRITE_INDEX).numpy()
+            assert len(child) == 64 * 8 and not np.array_equal(np.frombuffer(child, np.int64), parent)
 
 
 def test_reader_given_the_daemons_data_dir_names_its_replay_subdirectory(shm_dir):

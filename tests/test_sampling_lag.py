@@ -78,3 +78,66 @@ def test_weights_path_gives_the_version(shm_dir):
 def test_lag_needs_a_version_source(shm_dir):
     with versions_store(shm_dir / "r") as store, pytest.raises(ValueError, match="weights_path"):
         ReplayReader(store.path, max_policy_lag=1)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_rare_recent_rows_are_found_by_either_sampler(shm_dir, sampler):
+    """Right after a push only a few rows are recent enough: after the rejection rounds both
+    samplers list the eligible slots and draw among them (the prioritized one by priority)."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 2000) as store:
+        store.write(rows(1995, version=0))
+        store.write(rows(5, version=5))  # 0.25 % of the rows
+        with ReplayReader(store.path, seed=0, sampler=sampler, max_policy_lag=0, weights_version=lambda: 5) as r:
+            for _ in range(3):
+                assert (r.sample(256).get(PV) == 5).all()
+
+
+def test_weights_path_follows_a_store_a_new_daemon_made(shm_dir, monkeypatch):
+    """A new daemon that cannot reopen the old weight store (another policy shape) makes a new
+    file at the same path; a trainer's reader must read versions from it, not from the old
+    mapping frozen at its last version."""
+    from ingestd.replay.sampling import FollowedStore
+
+    monkeypatch.setattr(FollowedStore, "CHECK_S", 0.0)
+    small, large = {"w": torch.zeros(3)}, {"w": torch.zeros(5)}
+    path = shm_dir / "weights"
+    with versions_store(shm_dir / "r") as store:
+        with WeightStore.create(path, manifest_of(small)) as old:
+            old.publish(small, version=5)
+            with ReplayReader(store.path, max_policy_lag=0, weights_path=path) as r:
+                assert int(r.sample(64).get(PV).min()) >= 5
+                with WeightStore.create(path, manifest_of(large)) as new:  # replaces the file
+                    new.publish(large, version=9)
+                    assert (r.sample(64).get(PV) == 9).all()
+                    assert r.last_policy_lag == (0, 0.0, 0)
+                path.unlink()  # the daemon stopped and its runtime dir went: the last store still counts
+                assert (r.sample(64).get(PV) == 9).all()
+
+
+@pytest.mark.parametrize("lag", [None, 3])
+def test_a_timeout_must_be_seconds(shm_dir, lag):
+    """A NaN deadline would never pass (a NaN timeout on an empty storage waited for ever);
+    a negative or a string timeout is a caller's mistake, not 0."""
+    with versions_store(shm_dir / "r") as store, ReplayReader(store.path, max_policy_lag=lag,
+                                                              weights_version=lambda: 9) as r:
+        for bad in (float("nan"), -1.0):
+            with pytest.raises(ValueError, match="timeout must be >= 0"):
+                r.sample(4, timeout=bad)
+        with pytest.raises(TypeError, match="timeout must be a number"):
+            r.sample(4, timeout="1")
+        assert r.sample(4, timeout=0).batch_size == (4,)
+        assert r.sample(4, timeout=float("inf")).batch_size == (4,)
+
+
+def test_sampling_arguments_are_checked(shm_dir):
+    from ingestd.errors import ClosedError
+
+    with versions_store(shm_dir / "r") as store:
+        with pytest.raises(TypeError, match="max_policy_lag must be a whole number"):
+            ReplayReader(store.path, max_policy_lag=1.5, weights_version=lambda: 9)
+        with pytest.raises(ValueError, match="finite"):
+            ReplayReader(store.path, sampler="prioritized", beta=float("inf"))
+        r = ReplayReader(store.path)
+        r.close()
+        with pytest.raises(ClosedError):
+            r.empty_batch(4)

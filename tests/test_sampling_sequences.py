@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 from sampling_rows import checksum_rollouts, example_rows
 
 from ingestd.collect.envs import verify_rows
@@ -198,3 +199,15 @@ def test_sequences_of_n_step_rows_reach_episode_ends_and_cross_them(shm_dir):
             assert (same | (crossed & done)).all() and (crossed.any() if cross else not crossed.any())
             assert done.any()  # the steps near an episode's end are in sequences
             assert (td.get(STEPS_KEY)[..., 0] <= n).all()
+
+
+def test_a_storage_without_done_flags_says_so(shm_dir):
+    """A storage made through the public API with other keys than the workers' has no episode
+    boundaries: a clear error, not a bare KeyError."""
+    stamps = {f: torch.zeros(4, dtype=torch.int64) for f in ("worker", "env", "episode", "step", "policy_version")}
+    rows = TensorDict({"observation": torch.zeros(4, 3), "next": {"observation": torch.zeros(4, 3)},
+                       "ingestd": stamps}, batch_size=[4])
+    with ReplayStorage.create(shm_dir / "r", rows, 100) as store, ReplayReader(store.path) as r:
+        store.write(rows)
+        with pytest.raises(ValueError, match=r"has no \[\('next', 'done'\)\].*sample single rows"):
+            r.sample_sequences(2, 2)

@@ -82,7 +82,8 @@ def test_non_contiguous_and_grad_tensors_are_encoded_as_values():
     ({"a": torch.zeros(2).to_sparse()}, "dense"),
     ([torch.zeros(2)], "mapping of name -> tensor"),
     ({3: torch.zeros(2)}, "non-empty strings"),
-], ids=["empty", "numpy", "complex", "sparse", "list", "int-key"])
+    ({"a": torch.zeros(2, device="meta")}, "meta tensor: it has no data"),
+], ids=["empty", "numpy", "complex", "sparse", "list", "int-key", "meta"])
 def test_encode_rejects(state, message):
     with pytest.raises(BadWeights, match=message):
         encode(state)

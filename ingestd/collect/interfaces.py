@@ -77,6 +77,10 @@ class Policy(Protocol):
     """Writes ``"action"`` into the root td it gets and returns it.
 
     A policy that can receive weights is a ``torch.nn.Module``: pushed weights
-    are matched against its ``state_dict()`` names, shapes and dtypes."""
+    are matched against its ``state_dict()`` names, shapes and dtypes, and must be
+    finite. It may also define ``check_weights(state: dict[str, Tensor])``, which
+    the daemon calls on every push before publishing it; a ``ValueError`` it
+    raises rejects the push (``bad_weights``, with its message) and changes
+    nothing (the built-in MLP refuses an ``epsilon`` outside [0, 1])."""
 
     def __call__(self, td: TensorDict) -> TensorDict: ...

@@ -80,6 +80,14 @@ class _QNet(nn.Module):
         self.net = nn.Sequential(*layers)
         self.register_buffer("epsilon", torch.tensor(float(epsilon), dtype=torch.float32))
 
+    @staticmethod
+    def check_weights(state: dict) -> None:
+        """Refuse pushed weights this policy cannot act on (called by the daemon on a push)."""
+        epsilon = state.get("epsilon")
+        if epsilon is not None and epsilon.numel() == 1 and not 0.0 <= float(epsilon) <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {float(epsilon):g} (a trainer's exploration "
+                             "schedule gone past its end?)")
+
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         """Q-values ``[*batch, num_actions]`` of observations ``[*batch, *obs_shape]`` (any dtype)."""
         batch = obs.shape[: obs.dim() - self.obs_ndim]
@@ -94,10 +102,15 @@ class QNetwork(_QNet):
 
 
 def mlp_qnet(spec_or_obs_dim: EnvSpec | int, num_actions: int | None = None,
-             hidden: Sequence[int] = (64, 64)) -> QNetwork:
+             hidden: Sequence[int] = (64, 64), epsilon: float = 0.0) -> QNetwork:
     """A Q-network with the same state_dict names, shapes and dtypes as
     ``MLP(spec, hidden=hidden)``. Give an ``EnvSpec`` (``num_actions`` defaults
-    to the spec's) or a flat observation size and ``num_actions``."""
+    to the spec's) or a flat observation size and ``num_actions``.
+
+    ``epsilon`` is part of the state dict, so a push of this network sets the
+    workers' exploration too: give the value they should act with (the config's
+    ``workers.policy_kwargs.epsilon``, or a schedule's current value through
+    ``qnet.epsilon.fill_(eps)``); the default 0.0 makes them greedy."""
     if isinstance(spec_or_obs_dim, EnvSpec):
         obs_shape = spec_or_obs_dim.observation_shape
         num_actions = num_actions or _num_actions(spec_or_obs_dim, "mlp_qnet")
@@ -105,7 +118,7 @@ def mlp_qnet(spec_or_obs_dim: EnvSpec | int, num_actions: int | None = None,
         obs_shape = (int(spec_or_obs_dim),)
         if num_actions is None:
             raise ValueError("mlp_qnet needs num_actions when given an observation size")
-    return QNetwork(obs_shape, num_actions, tuple(hidden), epsilon=0.0)
+    return QNetwork(obs_shape, num_actions, tuple(hidden), epsilon=epsilon)
 
 
 class MLP(_QNet):

@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from ingestd.control.commands import MAX_WAIT_S
+
 EX_OK, EX_FAILED, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 1, 64, 65, 66
 EX_UNAVAILABLE, EX_CANTCREAT, EX_TEMPFAIL, EX_PROTOCOL = 69, 73, 75, 76
 
@@ -51,15 +53,25 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every command takes, before the command or after it (``ingestctl status
+    --json``). After it they have no defaults, so they override only when given."""
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+    p.add_argument("--connect", metavar="ADDR", default=default(None),
+                   help="control address (default: $INGESTD_CONTROL, else the ipc socket in the daemon's runtime dir)")
+    p.add_argument("--timeout", type=float, default=default(5.0), metavar="S",
+                   help="seconds to wait for a reply (5), on top of any --wait for workers")
+    p.add_argument("--json", action="store_true", default=default(False), help="print stable JSON instead of text")
+    p.add_argument("--server-key", metavar="FILE", default=default(None),
+                   help="CURVE: the daemon's public key file (tcp:// only)")
+    p.add_argument("--client-key", metavar="FILE", default=default(None),
+                   help="CURVE: this client's .key_secret file (tcp:// only)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ingestctl", description="Control a running ingestd daemon.")
-    p.add_argument("--connect", metavar="ADDR", help="control address (default: $INGESTD_CONTROL, else the "
-                                                     "ipc socket in the daemon's runtime dir)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                   help="seconds to wait for a reply (5), on top of any --wait for workers")
-    p.add_argument("--json", action="store_true", help="print stable JSON instead of text")
-    p.add_argument("--server-key", metavar="FILE", help="CURVE: the daemon's public key file (tcp:// only)")
-    p.add_argument("--client-key", metavar="FILE", help="CURVE: this client's .key_secret file (tcp:// only)")
+    _global_options(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("ping", help="check that the daemon answers")
     sub.add_parser("status", help="workers, replay fill and weights version")
@@ -104,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("name", metavar="NAME")
     cmd.add_argument("--dir", default=".", help="directory to write to; it must exist (default: .)")
     cmd.add_argument("--force", action="store_true", help="overwrite existing files")
+    for cmd in sub.choices.values():
+        _global_options(cmd, defaults=False)
     return p
 
 
@@ -180,6 +194,9 @@ def _check_numbers(args) -> None:
             raise UsageError(f"ingestctl: {option} must be a finite number of seconds > 0, got {value:g}")
         if not math.isfinite(value):
             raise UsageError(f"ingestctl: {option} must be a finite number, got {value:g}")
+        if name == "wait" and args.command != "snapshot" and value > MAX_WAIT_S:
+            raise UsageError(f"ingestctl: {option} must be at most {MAX_WAIT_S:g} seconds (the daemon waits for "
+                             f"workers no longer), got {value:g}")
 
 
 def _client(args):
@@ -309,11 +326,12 @@ def _limiter(client, args, out: Output) -> int:
     def text() -> str:
         lag = "-" if s.sampled_policy_lag is None else "/".join(f"{v:g}" for v in s.sampled_policy_lag)
         error = "error: none while disabled" if s.error is None else f"error {s.error:g}"
+        refused = "" if s.reader_refusals == "" else f", {s.reader_refusals} samples refused at once"
         return (f"limiter {'enabled' if s.enabled else 'disabled'}: samples_per_insert {s.samples_per_insert:g}, "
                 f"window [{s.min_diff:g}, {s.max_diff:g}], min_size {s.min_size}\n"
                 f"{error} (inserts {s.inserts}, samples {s.samples}); workers held back: "
                 f"{_list(s.workers_blocked)} ({s.workers_blocked_s:.1f} s in total); readers waited "
-                f"{s.reader_blocked_s:.1f} s; sampled policy lag min/mean/max {lag}")
+                f"{s.reader_blocked_s:.1f} s{refused}; sampled policy lag min/mean/max {lag}")
     return out.ok(s.to_json(), text)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import os
 import re
 import threading
@@ -38,17 +39,27 @@ import zmq
 
 from ingestd.control import curve
 from ingestd.control.commands import (
-    MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights, Reload,
-    Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
+    MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights,
+    Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
 )
-from ingestd.errors import BadReply, DaemonUnavailable
+from ingestd.errors import BadReply, BadWeights, DaemonUnavailable
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ACK_TIMEOUT_S = 10.0  # sent with commands that wait for workers
 MAX_REPLY_BYTES = 16 << 20
+
+
+def _whole(value: Any, what: str) -> int:
+    """``value`` as an int (any integer type); a float, a string or a bool is refused, not truncated."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
 def default_address(environ: Mapping[str, str] | None = None) -> str:
@@ -167,6 +178,7 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}-"
         self._lock = threading.Lock()
+        self._max_message_bytes: int | str | None = None  # the daemon's, once asked (_check_size)
 
     # -- commands ------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
@@ -188,26 +200,48 @@ class ControlClient:
 
     def restart(self, workers: list[int] | None = None, wait: bool = True, timeout_s: float | None = None) -> Acked:
         """Restart all workers, or those listed; with ``wait`` returns once they run again."""
-        chosen = None if workers is None else tuple(int(w) for w in workers)
+        chosen = None if workers is None else tuple(_whole(w, "a worker index") for w in workers)
         return Acked.from_json(self.call(Restart(workers=chosen, wait=wait, timeout_s=self._wait(timeout_s))))
 
     def scale(self, n: int, wait: bool = True, timeout_s: float | None = None) -> Acked:
-        return Acked.from_json(self.call(Scale(count=int(n), wait=wait, timeout_s=self._wait(timeout_s))))
+        return Acked.from_json(self.call(Scale(count=_whole(n, "the worker count"), wait=wait,
+                                               timeout_s=self._wait(timeout_s))))
 
     def push_weights(self, module_or_state_dict: Any, wait: bool = True, timeout_s: float | None = None) -> int:
         """Send new policy weights; returns their version. With ``wait`` the reply comes once
         every live, collecting worker has applied them (paused ones apply them once resumed:
-        ``push_weights_detailed(...).deferred``). ``BadWeights`` if they do not fit the policy:
-        raised here while encoding, or ``WeightsRejected`` (also a ``CommandFailed`` with code
-        ``bad_weights``) when the daemon refused them."""
+        ``push_weights_detailed(...).deferred``).
+
+        ``BadWeights`` for anything the daemon would refuse: raised here for what the client
+        can see (not a state dict, non-tensor values, a meta tensor, weights larger than the
+        daemon's ``control.max_message_bytes``), else ``WeightsRejected`` (a ``BadWeights``
+        and a ``CommandFailed`` with code ``bad_weights``) when the daemon refused them
+        (names, shapes or dtypes that do not fit its policy, non-finite values, a value the
+        policy's ``check_weights`` refuses)."""
         return self.push_weights_detailed(module_or_state_dict, wait, timeout_s).version
 
     def push_weights_detailed(self, module_or_state_dict: Any, wait: bool = True,
                               timeout_s: float | None = None) -> Pushed:
         from ingestd.weights.wire import encode
 
+        wait_s = self._wait(timeout_s)
         frames = tuple(encode(module_or_state_dict))
-        return Pushed.from_json(self.call(PushWeights(wait=wait, timeout_s=self._wait(timeout_s), frames=frames)))
+        self._check_size(frames)
+        return Pushed.from_json(self.call(PushWeights(wait=wait, timeout_s=wait_s, frames=frames)))
+
+    def _check_size(self, frames: tuple) -> None:
+        """``BadWeights`` for a push larger than the daemon takes: libzmq would drop the
+        connection without a reply, which looks like a daemon that is down. Asked once (a
+        ``ping``, at this client's first push)."""
+        size = sum(len(f) for f in frames) + 1024  # + the JSON header
+        if self._max_message_bytes is None:
+            self._max_message_bytes = Pong.from_json(self.ping()).max_message_bytes
+        limit = self._max_message_bytes
+        if isinstance(limit, int) and size > limit:
+            raise BadWeights(f"the encoded weights are {size} bytes, over the daemon's control.max_message_bytes "
+                             f"of {limit}: the daemon would drop the connection; raise control.max_message_bytes "
+                             "in its config (and restart it), or check the state dict holds only the policy's "
+                             "tensors")
 
     def profile(self, worker: int, seconds: float = 5.0) -> Profiled:
         """Record a torch profiler trace of worker ``worker``'s loop for ``seconds`` while it keeps
@@ -239,7 +273,12 @@ class ControlClient:
 
     # -- transport -----------------------------------------------------------------------
     def _wait(self, timeout_s: float | None) -> float:
-        return float(self.ack_timeout if timeout_s is None else timeout_s)
+        if timeout_s is None:
+            return float(self.ack_timeout)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_WAIT_S:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_WAIT_S:g}] (the daemon waits no "
+                             f"longer), got {timeout_s!r}")
+        return float(timeout_s)
 
     def call(self, request: Request, extra_wait: float = 0.0) -> Any:
         """Send ``request``; the result, ``CommandFailed``, ``DaemonUnavailable`` or ``BadReply``."""

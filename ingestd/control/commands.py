@@ -333,6 +333,7 @@ class Pong(Result):
     time: float
     metrics_url: str | None = ""  # the /metrics page as bound (also with metrics.port = 0); None: metrics are off
     # (or not serving yet); "": not reported, by a daemon older than this field
+    max_message_bytes: int | str = ""  # control.max_message_bytes: the largest request taken ("": not reported)
 
 
 @dataclass(frozen=True)
@@ -450,3 +451,4 @@ class LimiterState(Result):
     workers_blocked: list[int]  # workers held back right now
     workers_blocked_s: float  # total time workers were held back
     sampled_policy_lag: list[float] | None  # [min, mean, max] of the latest sample a reader took
+    reader_refusals: int | str = ""  # samples without a timeout refused at once ("": not reported, older daemon)

@@ -34,7 +34,7 @@ log = logging.getLogger("ingestd.control")
 # -- fast handlers (control thread) ---------------------------------------------------
 def ping(ctx: Context, request: Ping) -> dict:
     return Pong(True, os.getpid(), __version__, PROTOCOL_VERSION, ctx.events_address, time.time(),
-                ctx.metrics_url()).to_json()
+                ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes).to_json()  # control: not reloadable
 
 
 _NOT_LIVE = (State.STOPPED, State.FAILED, State.EMPTY)
@@ -53,9 +53,17 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
             last_return=recent[-1] if recent else None, restarts=rec["restarts"],
             weights_version=rec["weights_version"],
             heartbeat_age_s=round(max(0.0, now - rec["heartbeat"]), 4) if pid > 0 and state not in _NOT_LIVE else None,
-            error=error, pause_reason=PauseReason(rec["pause_reason"]).label if state == State.PAUSED else "",
+            error=error, pause_reason=_pause_reason(state, PauseReason(rec["pause_reason"])),
             recent_returns=recent))
     return out
+
+
+def _pause_reason(state: State, reason: PauseReason) -> str:
+    """Why a worker is not collecting: a paused one's reason, or ``limiter`` for a running one
+    the rate limiter holds back (docs/protocol.md, "status")."""
+    if state == State.PAUSED or (state == State.RUNNING and reason == PauseReason.LIMITER):
+        return reason.label
+    return ""
 
 
 def status(ctx: Context, request: GetStatus) -> Preencoded:
@@ -212,6 +220,17 @@ def scale(ctx: Context, request: Scale) -> dict:
     return Acked(workers, round(time.monotonic() - started, 6)).to_json()
 
 
+def _check_policy_weights(policy, state: dict) -> None:
+    """The policy's own test of pushed weights (``Policy.check_weights``), if it has one."""
+    check = getattr(policy, "check_weights", None)
+    if check is None:
+        return
+    try:
+        check(state)
+    except ValueError as exc:
+        raise BadWeights(f"the policy refused them: {exc}") from None
+
+
 def push_weights(ctx: Context, request: PushWeights) -> dict:
     from ingestd.weights.wire import decode
 
@@ -222,6 +241,7 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
         raise RequestError(ErrorCode.NO_WEIGHTS, "the configured policy has no weights to replace")
     try:
         state = decode(request.frames, expected=layout.manifest, max_raw_bytes=layout.manifest.total_bytes)
+        _check_policy_weights(layout.policy, state)
         decoded = time.monotonic()
         with ctx.push_lock:
             version = layout.weights.publish(state)

@@ -100,7 +100,8 @@ def plan_layout(schema: dict[Key, Leaf], capacity: int) -> Layout:
 def read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
     if not path.is_dir():
-        raise StorageNotFound(f"no replay storage at {str(path)!r}: directory does not exist "
+        what = "is a file, not a storage directory" if path.exists() else "directory does not exist"
+        raise StorageNotFound(f"no replay storage at {str(path)!r}: {what} "
                               "(check the path, or create the storage first)")
     if not meta_path.exists():
         raise StorageNotFound(f"no replay storage at {str(path)!r}: meta.json is missing "

@@ -51,7 +51,8 @@ FILE = "limiter.bin"
 WORDS = 32
 MAGIC = 0x4C494D49_0001  # "LIMI" + 1
 (W_MAGIC, W_ENABLED, W_MIN_SIZE, W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_SAMPLES, W_BASE_INSERTS, W_BASE_SAMPLES,
- W_OFFSET, W_READER_BLOCKED_S, W_READER_WAITS, W_CHANGES, W_LAG_MIN, W_LAG_MEAN, W_LAG_MAX, W_LAG_AT) = range(17)
+ W_OFFSET, W_READER_BLOCKED_S, W_READER_WAITS, W_CHANGES, W_LAG_MIN, W_LAG_MEAN, W_LAG_MAX, W_LAG_AT,
+ W_READER_REFUSALS) = range(18)
 _FLOATS = frozenset((W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_OFFSET, W_READER_BLOCKED_S, W_LAG_MEAN, W_LAG_AT))
 PAUSE_LIMITER = 3  # stats record ``pause_reason`` while the limiter holds a worker back (PauseReason.LIMITER)
 _WORKER_POLL_S = 0.002
@@ -182,6 +183,11 @@ class Limiter:
     def reader_waits(self) -> int:
         return int(self._i[W_READER_WAITS])
 
+    @property
+    def reader_refusals(self) -> int:
+        """Non-blocking samples refused (``RateLimited``): a trainer sampling without a timeout."""
+        return int(self._i[W_READER_REFUSALS])
+
     def insert_blocked(self) -> str | None:
         """Why a worker must wait before its next chunk, or None."""
         if not self._i[W_ENABLED] or self._inserts() < self._i[W_MIN_SIZE]:
@@ -217,6 +223,10 @@ class Limiter:
             self._f[W_READER_BLOCKED_S] += seconds
             self._i[W_READER_WAITS] += 1
 
+    def add_reader_refused(self) -> None:
+        with self._locked():
+            self._i[W_READER_REFUSALS] += 1
+
     def record_sampled_lag(self, lo: int, mean: float, hi: int) -> None:
         """The policy lag of the latest sample any reader took (for the metrics; no lock)."""
         self._i[W_LAG_MIN], self._f[W_LAG_MEAN], self._i[W_LAG_MAX] = lo, mean, hi
@@ -233,7 +243,8 @@ class Limiter:
         """The parameters and counters; ``error`` is None while disabled (none is kept then)."""
         out = asdict(self.params)
         out.update(inserts=int(self._inserts()), samples=self.samples, error=self.error() if out["enabled"] else None,
-                   reader_blocked_s=self.reader_blocked_s, reader_waits=self.reader_waits)
+                   reader_blocked_s=self.reader_blocked_s, reader_waits=self.reader_waits,
+                   reader_refusals=self.reader_refusals)
         return out
 
     def _locked(self):

@@ -35,12 +35,25 @@ _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be c
 _POLL_S = 0.002
 _POOL = 1 << 16  # random draws made at once
 _ATTACH_CHECK_S = 1.0  # how often sampling checks that the storage is still the one at its path
+_readers: "weakref.WeakSet[ReplayReader]" = weakref.WeakSet()  # reseeded in a forked child
+
+
+def _reseed_after_fork() -> None:
+    """A forked child (a DataLoader worker given the trainer's reader) draws its own slots,
+    not a copy of its parent's random stream."""
+    for reader in list(_readers):
+        reader._reseed()
+
+
+os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
 class ReplayReader(MappedStore):
     """Read-only view of a replay storage. Safe to use while workers write.
 
-    One reader per thread: a reader keeps its own random state."""
+    One reader per thread: a reader keeps its own random state. A reader inherited through
+    ``fork`` (DataLoader workers) is reseeded from OS entropy in the child, so children do
+    not repeat their parent's draws (nor each other's)."""
 
     def __init__(self, path: str | os.PathLike, seed: int | None = None, *, sampler: str = "uniform",
                  alpha: float = 0.6, beta: float = 0.4, max_policy_lag: int | None = None,
@@ -53,7 +66,7 @@ class ReplayReader(MappedStore):
         # the path given, even if the process chdirs later; looked at before mapping, so a storage
         # swapped meanwhile is reported by the first check rather than missed
         self._attached_at = Path(path).expanduser().absolute()
-        self._identity = _identity(self._attached_at)
+        self._identity = file_identity(self._attached_at / "header.bin")
         try:
             super().__init__(path, writable=False)
         except StorageNotFound as exc:
@@ -71,6 +84,7 @@ class ReplayReader(MappedStore):
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
+        _readers.add(self)
         self._groups = self._plan_groups()
         self._columns = [self.leaves[k] for k in self._layout.columns]
         self._order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
@@ -85,6 +99,10 @@ class ReplayReader(MappedStore):
         except BaseException:
             super().close()
             raise
+
+    def _reseed(self) -> None:
+        self._rng = np.random.default_rng()
+        self._pool, self._pos = np.empty(0, dtype=np.int64), 0
 
     def _plan_groups(self) -> list[tuple[list, tuple, np.dtype, int, tuple]]:
         """Runs of leaves with equal dtype and shape lying side by side in the record, each as
@@ -109,10 +127,14 @@ class ReplayReader(MappedStore):
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, timeout: float | None = None, *, out: TensorDict | None = None) -> TensorDict:
-        """Uniform sample of committed rows, shape ``[batch_size]``; the caller owns it.
+        """A sample of committed rows, shape ``[batch_size]``; the caller owns it. Uniform, or
+        as the reader was made: by priority, only rows within ``max_policy_lag``, obeying the
+        storage's rate limiter (docs/sampling.md).
 
-        Without ``timeout`` this never blocks: an empty storage raises ``EmptyReplay``.
-        With ``timeout`` (seconds) it waits for data and raises ``SampleTimeout``.
+        Without ``timeout`` this never blocks: an empty storage (or no row within the policy
+        lag) raises ``EmptyReplay``, and a rate limiter holding the trainer back raises
+        ``RateLimited``. With ``timeout`` (seconds >= 0, ``math.inf`` for ever) it waits and
+        raises ``SampleTimeout`` (``RateLimited`` is one) at the deadline.
 
         ``out``: a batch from :meth:`empty_batch` to copy the rows into, in place (returned):
         no tensor is created, which makes small-row sampling about twice as fast; use it for a
@@ -128,7 +150,7 @@ class ReplayReader(MappedStore):
 
     def _retrying(self, attempt: Callable[[], TensorDict | None], timeout: float | None) -> TensorDict:
         """``attempt()`` until it returns rows; ``EmptyReplay`` without ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         while True:
             self.check_attached()  # before every attempt: a storage that left would never fill
             out = attempt()
@@ -152,7 +174,7 @@ class ReplayReader(MappedStore):
                 return
             self._next_attach_check = now + _ATTACH_CHECK_S
             try:
-                if _identity(self._attached_at) == self._identity:
+                if file_identity(self._attached_at / "header.bin") == self._identity:
                     return
             except OSError:  # EIO, EACCES...: not a sign the storage left; look again next time
                 return
@@ -173,6 +195,7 @@ class ReplayReader(MappedStore):
         would no longer receive the rows, so the next ``sample`` into the batch raises. Moving
         its memory in place (``share_memory_``, or sending it through a ``torch.multiprocessing``
         queue) is followed."""
+        self._check_open()
         n = rows_count(batch_size, "batch_size")
         blocks = [torch.from_numpy(np.empty((shape[0], n, *shape[1:]), dtype))  # (leaves, n, *shape)
                   for _, shape, dtype, _, _ in self._groups]
@@ -350,14 +373,26 @@ class ReplayReader(MappedStore):
         super().close()
 
 
-def _identity(path) -> tuple[int, int] | None:
-    """(device, inode) of the storage's header file at ``path`` (None if there is none; other
-    errors looking at it are raised)."""
+def file_identity(path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, None if there is none (other errors looking at
+    it are raised): a file replaced by a new one under the same name has a new identity."""
     try:
-        st = os.stat(path / "header.bin")
+        st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino
+
+
+def wait_deadline(timeout) -> float | None:
+    """The ``time.monotonic()`` deadline of a sampling ``timeout`` (None: do not wait); a
+    timeout must be None or a number of seconds >= 0 (``math.inf``: wait for ever)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r} ({type(timeout).__name__})")
+    if not timeout >= 0:  # NaN too: a NaN deadline would never pass
+        raise ValueError(f"timeout must be >= 0 seconds (or None: do not wait), got {timeout}")
+    return time.monotonic() + float(timeout)
 
 
 def rows_count(value, name: str) -> int:

@@ -16,19 +16,24 @@ are drawn and which copied rows are accepted:
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.errors import EmptyReplay, IngestdError, SampleTimeout
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.reader import rows_count, slot_indices
+from ingestd.replay.reader import file_identity, rows_count, slot_indices, wait_deadline
+
+log = logging.getLogger("ingestd.replay")
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -48,18 +53,21 @@ class Sampling:
                  weights_version: Callable[[], int] | None = None, rate_limited: bool = True):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        if not alpha >= 0 or not beta >= 0:
-            raise ValueError(f"alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
-        if max_policy_lag is not None and max_policy_lag < 0:
-            raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
+        if not 0 <= alpha < math.inf or not 0 <= beta < math.inf:
+            raise ValueError(f"alpha and beta must be finite and >= 0, got alpha={alpha}, beta={beta}")
+        if max_policy_lag is not None:
+            if isinstance(max_policy_lag, bool) or not isinstance(max_policy_lag, (int, np.integer)):
+                raise TypeError(f"max_policy_lag must be a whole number of versions or None, got "
+                                f"{max_policy_lag!r} ({type(max_policy_lag).__name__})")
+            if max_policy_lag < 0:
+                raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
+            max_policy_lag = int(max_policy_lag)
         self.reader, self.sampler, self.alpha, self.beta = reader, sampler, float(alpha), float(beta)
         self.max_policy_lag = max_policy_lag
         self._store = None
         if weights_version is None and weights_path is not None:
-            from ingestd.weights.store import WeightStore
-
-            self._store = WeightStore.attach(weights_path)
-            weights_version = lambda: int(self._store.version)  # noqa: E731
+            self._store = FollowedStore(weights_path)
+            weights_version = self._store.version
         if max_policy_lag is not None and weights_version is None:
             raise ValueError("max_policy_lag needs the current weights version: pass weights_path= (the "
                              "daemon's <runtime_dir>/weights) or weights_version=callable")
@@ -109,7 +117,7 @@ class Sampling:
                   none_found: str | None = None) -> TensorDict:
         """Run ``attempt`` once the limiter allows, until it returns rows or the deadline passes
         (``none_found``: why, when there are rows but ``attempt`` found none that qualify)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         waited_from = None
         while True:
             self.reader.check_attached()  # before every attempt: a storage that left would never fill
@@ -127,6 +135,7 @@ class Sampling:
                 waited_from = time.monotonic()
             if deadline is None:
                 if self.limiter is not None and waited_from is not None:
+                    self.limiter.add_reader_refused()
                     raise RateLimited(f"replay {self.reader.path}: {why}; pass timeout= to wait")
                 raise EmptyReplay(f"replay {self.reader.path}: {why}; wait for the workers, or pass timeout= "
                                   "to block")
@@ -222,11 +231,10 @@ class Sampling:
             rounds += 1
             if rounds > _MAX_ROUNDS:
                 return None
-            if rounds == _REJECT_ROUNDS and self.tree is None:
-                eligible = self._eligible(filled)
-                if eligible.size == 0:
+            if rounds == _REJECT_ROUNDS:
+                draw = self._eligible_draw(filled)
+                if draw is None:
                     return None
-                draw = lambda m: eligible[r._draw(m, eligible.size)]  # noqa: E731
             fresh = draw(bad.size)
             if fresh is None:
                 return None
@@ -249,6 +257,22 @@ class Sampling:
         if old.size == 0:
             return bad
         return old if bad is None else np.union1d(bad, old)
+
+    def _eligible_draw(self, filled: int) -> Callable[[int], np.ndarray] | None:
+        """A draw among the eligible slots only (uniform, or by priority for a prioritized
+        reader); None if there are none."""
+        r = self.reader
+        eligible = self._eligible(filled)
+        if self.tree is not None:
+            eligible = eligible[self.tree.levels[0][eligible] > 0]
+        if eligible.size == 0:
+            return None
+        if self.tree is None:
+            return lambda m: eligible[r._draw(m, eligible.size)]
+        cumulative = np.cumsum(self.tree.levels[0][eligible])
+        last = eligible.size - 1
+        return lambda m: eligible[np.minimum(np.searchsorted(
+            cumulative, r._rng.random(m) * cumulative[-1], side="right"), last)]
 
     def _eligible(self, filled: int) -> np.ndarray:
         """Committed slots whose row is recent enough (a scan: the fallback when most are not)."""
@@ -312,6 +336,47 @@ class Sampling:
             if thing is not None:
                 thing.close()
         self.tree = self.limiter = self._store = None
+
+
+class FollowedStore:
+    """The daemon's weight store at a path, followed across daemon restarts: a new daemon that
+    cannot reopen the old store (another policy shape, a damaged file, a new runtime dir after
+    ``systemctl stop``) makes a new file there, and the versions read here must come from it,
+    not from the old mapping frozen at its last version. The path is looked at every
+    ``CHECK_S`` seconds; while no store is there (the daemon stopped), the last one counts."""
+
+    CHECK_S = 1.0
+
+    def __init__(self, path: str | os.PathLike):
+        from ingestd.weights.store import WeightStore
+
+        self.path = Path(path).expanduser().absolute()
+        self._attach = WeightStore.attach
+        self._identity = file_identity(self.path)
+        self._store = self._attach(self.path)
+        self._next_check = time.monotonic() + self.CHECK_S
+
+    def version(self) -> int:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self.CHECK_S
+            self._follow()
+        return int(self._store.version)
+
+    def _follow(self) -> None:
+        try:
+            identity = file_identity(self.path)
+            if identity is None or identity == self._identity:
+                return
+            store = self._attach(self.path)
+        except (IngestdError, OSError):  # half made, or not readable: look again next time
+            return
+        self._store.close()
+        self._store, self._identity = store, identity
+        log.info("the weight store at %s was replaced (a new daemon); following the new one", self.path)
+
+    def close(self) -> None:
+        self._store.close()
 
 
 def _attach_limiter(reader) -> Limiter | None:
@@ -390,6 +455,8 @@ def sampling_metrics(storage, current: int, stats) -> list:
                             "Rows sampled by rate-limited readers while the limiter is enabled.", value=lim.samples),
         CounterMetricFamily("ingestd_limiter_reader_blocked_seconds", "Time readers waited on the rate limiter.",
                             value=lim.reader_blocked_s),
+        CounterMetricFamily("ingestd_limiter_reader_refusals", "Samples without a timeout that the rate limiter "
+                            "refused at once (RateLimited).", value=lim.reader_refusals),
         GaugeMetricFamily("ingestd_limiter_workers_blocked", "Workers the rate limiter is holding back now.",
                           value=held),
     ]

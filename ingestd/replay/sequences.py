@@ -50,6 +50,11 @@ class SequenceSampler:
     def __init__(self, reader):
         self.reader = reader
         r = reader
+        missing = [k for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE) if k not in r._layout.fields]
+        if missing:
+            raise ValueError(f"sample_sequences needs the stamps and done flags the daemon's workers store; "
+                             f"replay {r.path} has no {missing} (made by ReplayStorage.create with other "
+                             "keys?): sample single rows from it instead")
         self._w, self._e, self._ep = r._arrays[WORKER], r._arrays[ENV], r._arrays[EPISODE]
         self._wi, self._version = r._arrays[WRITE_INDEX], r._arrays[VERSION]
         self._fields = {k: self._field_view(k) for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE)}

@@ -155,7 +155,9 @@ class WeightStore:
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         except FileNotFoundError:
-            raise StorageNotFound(f"no weight store at {str(path)!r}; has the daemon started?") from None
+            raise StorageNotFound(f"no weight store at {str(path)!r}; has the daemon started? (a daemon makes "
+                                  "<runtime_dir>/weights only for a policy with weights: the Random policy has "
+                                  "none, and its rows all carry version 0)") from None
         try:
             size = os.fstat(fd).st_size
             if size < 2 * PAGE:

@@ -230,6 +230,9 @@ def tensors_of(state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
             raise BadWeights(f"{name!r} is a {type(value).__name__} ({getattr(value, 'layout', '-')}), "
                              "expected a dense torch.Tensor")
         dtype_name(value.dtype)
+        if value.is_meta:
+            raise BadWeights(f"{name!r} is a meta tensor: it has no data (a module built on the meta device and "
+                             "not materialized yet, e.g. with to_empty() and loaded weights)")
         out[name] = value.detach().to("cpu").contiguous()
     return out
 
