@@ -57,7 +57,7 @@ class ConfigError(IngestdError, ValueError):
     """A config value is wrong; ``key`` names it (``section.key``)."""
 
     def __init__(self, key: str, message: str):
-        self.key = key
+        self.key, self.message = key, message
         super().__init__(f"config key {key!r}: {message}")
 
 

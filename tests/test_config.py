@@ -125,7 +125,7 @@ BAD = [
     (["service.data_dir=3"], "service.data_dir", "absolute path"),
     (["service.stop_timeout_s=inf"], "service.stop_timeout_s", "finite number > 0"),
     (["service.stop_timeout_s='10'"], "service.stop_timeout_s", "without quotes"),
-    (["service.seed=-1"], "service.seed", ">= 0"),
+    (["service.seed=-1"], "service.seed", "expected an integer in 0..9223372036854775807"),
     (["service.start_weights=fresh"], "service.start_weights", "one of resume, initial"),
     (["control.address=tcp://0.0.0.0:5555"], "control.address", "ingestctl keygen"),
     (["control.events_address=tcp://0.0.0.0:5556"], "control.events_address", "control.curve_secret_key"),
@@ -228,6 +228,9 @@ SET_CASES = [
     (["--set", "service.start_weights=latest"], 78, "config key 'service.start_weights': expected one of resume, "
                                                      "initial"),
     (["--set", "workers.count.x=1"], 78, "config key 'workers.count'"),
+    # above the real bound, which the reference leaves out: the error must name it, not say ">= 0"
+    (["--set", "limiter.min_size=9223372036854775807"], 78, "config key 'limiter.min_size': expected an integer "
+                                                            "in 0..4611686018427387904, got 9223372036854775807"),
 ]
 
 
@@ -244,6 +247,15 @@ def test_malformed_set_is_a_usage_error_a_bad_value_a_config_error(tmp_path, cap
         got = exc.code
     stderr = capsys.readouterr().err
     assert got == status and phrase in stderr, stderr
+
+
+def test_config_check_refuses_a_device_this_host_lacks(tmp_path, capsys):
+    """`run` refuses it with 78, so `check` (step 3 of docs/systemd.md) must not say ok."""
+    from ingestd.service.cli import main
+
+    path = write(tmp_path, '[workers]\ndevice = "tpu"\n')
+    assert main(["config", "check", str(path)]) == 78
+    assert "config key 'workers.device': 'tpu' is not a torch device" in capsys.readouterr().err
 
 
 def test_overrides_apply_on_top_of_a_file_in_order(tmp_path):

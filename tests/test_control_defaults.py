@@ -69,3 +69,38 @@ def test_ping_and_status_tell_the_bound_metrics_port(daemon, client, capsys):
     assert f"metrics: {url}" in out, out
     code, out, err = run(daemon, capsys, "status", as_json=True)
     assert json.loads(out)["result"]["metrics_url"] == url
+
+
+SMALL_RING = ("[workers]\ncount = 2\nnum_envs = 8\nchunk_steps = 8\nenv = 'Checksum'\npolicy = 'Random'\n"
+              "[replay]\ncapacity = 256\n")  # exactly 2 * 2 workers * 8 envs * 8 steps
+
+
+def test_scale_limiter_and_reload_are_checked_like_the_config_file():
+    """A scale past what the replay holds was accepted (writers could lap each other mid-write);
+    scale and limiter changes left `config` stale; a reload checked the file's live keys against
+    the file's own restart-only values instead of the running ones."""
+    from ingestd import CommandFailed
+
+    d = DaemonProc(config_text=SMALL_RING, env=PLUGIN_ENV)
+    for key in ("workers.num_envs", "workers.chunk_steps", "replay.capacity"):
+        d.overrides.pop(key)  # from the file, so that a reload reads them too
+    with d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as c:
+            with pytest.raises(CommandFailed, match="replay.capacity.*at least 384") as err:
+                c.scale(3)
+            assert err.value.code == "bad_request"
+            assert len(c.status().workers) == 2 and c.config()["workers"]["count"] == 2
+            c.scale(1)
+            assert c.config()["workers"]["count"] == 1 and len(c.status().workers) == 1
+            c.limiter(samples_per_insert=0.5)
+            assert c.config()["limiter"]["samples_per_insert"] == 0.5
+            result = c.reload()  # the file wins over changes made over the socket
+            assert {"workers.count", "limiter.samples_per_insert"} <= set(result.applied), result
+            assert c.config()["workers"]["count"] == 2 and c.limiter().samples_per_insert == 1.0
+            d.config_path.write_text(SMALL_RING.replace("count = 2", "count = 4").replace("num_envs = 8",
+                                                                                        "num_envs = 2"))
+            with pytest.raises(CommandFailed, match="replay.capacity.*workers.num_envs") as err:
+                c.reload()  # 4 workers fit only with the file's 2 envs, which need a restart
+            assert err.value.code == "reload_failed"
+            assert c.config()["workers"]["count"] == 2 and len(c.status().workers) == 2

@@ -336,6 +336,28 @@ def test_a_timer_signal_does_not_stretch_the_wait():
         silent.close(0)
 
 
+@pytest.mark.parametrize("leftover", ["unix socket", "plain file"])
+def test_a_socket_file_nobody_answers_on_is_named_in_the_silence(tmp_path, leftover):
+    """After ``kill -9`` the daemon's socket file stays: "no reply" alone sent operators looking
+    for a wrong address; the message says the file is there but no daemon answered on it."""
+    import socket
+
+    from ingestd import ControlClient, DaemonUnavailable
+
+    path = tmp_path / "control.sock"
+    if leftover == "unix socket":
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(str(path))  # what a killed daemon leaves: bound, then closed, never unlinked
+        dead.close()
+    else:
+        path.write_text("")
+    with ControlClient(f"ipc://{path}", timeout=0.3, retries=0, wait_for_socket=False) as client:
+        with pytest.raises(DaemonUnavailable, match="no reply") as err:
+            client.ping()
+    assert f"the socket file {path} exists but no daemon answered on it" in str(err.value)
+    assert "systemctl status ingestd" in str(err.value)
+
+
 def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path):
     import socket
 
@@ -502,3 +524,50 @@ def test_a_wildcard_metrics_bind_is_reached_at_the_control_host(advertised, cont
 
     assert metrics_url(advertised, control) == expected
 
+
+
+class _MainLoop:
+    """A daemon's ``submit`` whose main thread takes a call after ``take_after`` seconds and
+    runs it for ``run_for`` seconds (or never takes it: ``take_after=None``)."""
+
+    def __init__(self, take_after: float | None, run_for: float = 0.0):
+        import threading
+        from concurrent.futures import Future
+
+        self.ran = 0
+        self._future_type, self._threading = Future, threading
+        self.take_after, self.run_for = take_after, run_for
+
+    def submit(self, fn):
+        import time
+
+        future = self._future_type()
+
+        def main():
+            time.sleep(self.take_after)
+            if future.set_running_or_notify_cancel():
+                time.sleep(self.run_for)
+                self.ran += 1
+                future.set_result(fn())
+        if self.take_after is not None:
+            self._threading.Thread(target=main, daemon=True).start()
+        return future
+
+
+def test_a_command_taken_by_the_main_loop_is_not_reported_as_not_taken():
+    """A restart the main loop took just before the deadline ran: a ``timeout`` reply saying it
+    was not taken would make an operator's retry restart the workers twice. One never taken is
+    withdrawn and says so."""
+    import time
+
+    from ingestd.control.context import Context
+    from ingestd.control.protocol import RequestError
+
+    late = _MainLoop(take_after=0.05, run_for=0.3)  # taken in time, finishes past the deadline
+    ctx = Context(daemon=late, events_address="", publish=lambda *a, **k: None)
+    assert ctx.on_main(lambda: "done", time.monotonic() + 0.1) == "done" and late.ran == 1
+    never = _MainLoop(take_after=None)
+    ctx = Context(daemon=never, events_address="", publish=lambda *a, **k: None)
+    with pytest.raises(RequestError, match="it was not run") as err:
+        ctx.on_main(lambda: "done", time.monotonic() + 0.1)
+    assert err.value.code == "timeout" and never.ran == 0

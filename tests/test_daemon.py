@@ -332,6 +332,30 @@ def test_sighup_with_a_bad_config_keeps_the_daemon_and_its_config():
         assert "workers.restart_budget" in d.log()
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its /proc status SigCgt mask)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    mask = int(next(line.split()[1] for line in text.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_sighup_while_starting_neither_kills_the_daemon_nor_is_lost():
+    """SIGHUP's default action killed a daemon still importing torch (exit 129, nothing
+    logged); now the first thing `run` does is catch it, and the daemon reloads once it runs."""
+    with DaemonProc(overrides={"workers.count": 1}) as d:
+        wait_for(lambda: _catches(d.proc.pid, signal.SIGHUP), 30, "the early SIGHUP handler")
+        assert not (d.runtime_dir / "control.sock").exists(), "the daemon started before the signal was sent"
+        d.config_path.write_text("[workers]\nrestart_budget = 7\n")  # changed after `run` read it
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_ready(rows=10)
+        wait_for(lambda: "reload: applied workers.restart_budget" in d.log(), 10, "the deferred reload")
+        assert "a SIGHUP arrived while starting" in d.log()
+        assert d.stop() == 0
+
+
 def test_a_restarted_daemon_keeps_its_weight_store_and_versions_stay_monotonic():
     """The restarted daemon publishes into the same weights file (a trainer's weights_path= mapping
     follows it); with the file gone, new weights are numbered past every version in the replay."""

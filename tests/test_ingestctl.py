@@ -78,6 +78,15 @@ def test_push_weights_file(daemon, client, capsys, weights_file, as_json):
     assert all(w.weights_version == version + 1 for w in client.status().workers)
 
 
+def test_push_weights_no_wait_says_published_not_applied(daemon, client, capsys, weights_file):
+    """Nothing waits for the workers with --no-wait: "applied by workers none" read like a failure."""
+    version = client.status().weights_version
+    code, out, err = run(daemon, capsys, "push-weights", weights_file, "--no-wait")
+    assert code == 0, err
+    assert out.startswith(f"weights v{version + 1}: published in ") and \
+        "workers apply it between chunks (not waited for)" in out and "applied by" not in out, out
+
+
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_push_weights_while_paused_names_the_deferred_workers(daemon, client, capsys, weights_file, as_json):
     client.pause()
@@ -206,6 +215,8 @@ def test_exit_codes(daemon, client, capsys, tmp_path):
     ["snapshot", "--wait", "nan"], ["--connect", "foo", "ping"], ["--connect", "tcp://*:5555", "status"],
     ["events", "--events", "foo"], ["scale", "abc"], ["frobnicate"], ["pause", "--wait"],
     ["pause", "--wait", "5000"], ["push-weights", "w.pt", "--wait", "4000"],
+    ["events", "--count", "0"], ["events", "--count", "-1"], ["events", "--duration", "0"],
+    ["events", "--duration", "-1"],
 ], ids=" ".join)
 def test_bad_numbers_and_addresses_are_usage_errors_not_tracebacks(argv, capsys):
     """No daemon is needed: each is refused before anything is sent (nan and inf used to crash in
@@ -280,6 +291,20 @@ def test_events_follow_the_stream(daemon, client, as_json):
         assert all(e["event"]["workers"] == [0, 1] for e in events)
     else:
         assert all((" paused " in line or " resumed " in line) and "workers=[0, 1]" in line for line in lines)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``ingestctl status | head -1``: the reader closes the pipe before ingestctl has flushed what
+    it printed. Like git and systemctl, ingestctl then exits silently (a BrokenPipeError used to
+    reach stderr); keygen prints without a daemon."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        done = subprocess.run([sys.executable, "-m", "ingestd.control.cli", "keygen", "k", "--dir", str(tmp_path)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (cli.EX_PIPE, "")
 
 
 def test_keygen_refuses_a_missing_directory(tmp_path, capsys):

@@ -185,9 +185,23 @@ def test_worker_up_needs_a_live_child_in_a_live_state(block):
 
 
 def test_heartbeat_age_uses_the_injected_clock(block):
-    block[0]["state"], block[0]["heartbeat"] = State.RUNNING, 100.0
+    block[0]["state"], block[0]["pid"], block[0]["heartbeat"] = State.RUNNING, 1234, 100.0
     found, _, _ = scrape(block, clock=lambda: 102.5)
     assert value(found, "ingestd_worker_heartbeat_age_seconds", worker="0") == 2.5
+
+
+def test_heartbeat_age_is_nan_for_a_worker_that_is_not_live(block):
+    """A stopped or failed worker (or one without a process yet) beats no more: its age grew for
+    ever while ``status`` showed ``heartbeat_age_s: null`` (the same rule: stats.heartbeat_age)."""
+    import math
+
+    for index, (state, pid) in enumerate([(State.RUNNING, 1234), (State.PAUSED, 1234), (State.STOPPED, 1234),
+                                          (State.FAILED, 1234), (State.STARTING, 0)]):
+        block[index]["state"], block[index]["pid"], block[index]["heartbeat"] = state, pid, 100.0
+    found, _, _ = scrape(block, clock=lambda: 1e6)
+    ages = by_worker(found, "ingestd_worker_heartbeat_age_seconds")
+    assert {w: math.isnan(age) for w, age in ages.items()} == {"0": False, "1": False, "2": True, "3": True,
+                                                              "4": True}, ages
 
 
 def test_full_block_scrape_is_cheap_and_lints(block):

@@ -359,3 +359,14 @@ def test_cli_errors_name_what_the_operator_got_wrong(shm_dir, capsys):
     err = capsys.readouterr().err
     assert "is a snapshot" in err and "ingestd replay restore" in err and "incomplete" not in err
     assert not (shm_dir / "again").exists() and leftovers(shm_dir) == []
+
+
+def test_a_file_given_as_the_storage_is_named_a_file(shm_dir, capsys):
+    """``ingestd replay snapshot FILE DEST`` said "directory does not exist" about a path that
+    exists (a typo naming replay/meta.json, say); it goes through files.read_meta, which says what it is."""
+    source = shm_dir / "meta.json"
+    source.write_text("{}")
+    assert cli.main(["replay", "snapshot", str(source), str(shm_dir / "snap")]) == 1
+    err = capsys.readouterr().err
+    assert "is a file, not a storage directory" in err and "does not exist" not in err, err
+    assert not (shm_dir / "snap").exists() and leftovers(shm_dir) == []

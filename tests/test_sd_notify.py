@@ -199,3 +199,32 @@ def test_a_reload_before_the_first_data_sends_no_early_ready():
         assert not any("RELOADING=1" in m for m in d.messages), d.messages
         assert "reload: applied" in d.log()
         assert d.stop() == 0
+
+
+def test_ready_when_a_reused_replay_already_spent_the_frame_budget():
+    """A daemon restarted on a replay that already holds ``workers.total_frames`` rows has
+    workers that pause at once (budget) and never write: it must still say READY=1, or
+    ``systemctl start`` times out and systemd restarts it in a loop."""
+    from ingestd.replay import ReplayReader
+
+    overrides = {"workers.policy": "Random", "workers.count": 1, "workers.total_frames": 64}
+    with DaemonProc(overrides=overrides, notify=True) as d:
+        d.wait_notify("READY=1", timeout=60)
+        wait_for(lambda: _budget_spent(d), 30, "the frame budget to be spent")
+        assert d.stop() == 0
+        with ReplayReader(d.replay_path) as reader:
+            spent = reader.write_count
+        assert spent >= 64
+        d.messages.clear()
+        d.start()  # the same dirs: the replay is reopened with the budget already spent
+        d.wait_notify("READY=1", timeout=60)
+        with ReplayReader(d.replay_path) as reader:
+            assert reader.write_count == spent  # ready without writing: the worker paused on its budget
+        assert d.stop() == 0
+
+
+def _budget_spent(d: DaemonProc) -> bool:
+    from ingestd.replay import ReplayReader
+
+    with ReplayReader(d.replay_path) as reader:
+        return reader.write_count >= 64

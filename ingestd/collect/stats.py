@@ -34,6 +34,19 @@ class State(enum.IntEnum):
         return self.name.lower()
 
 
+# Workers with no process to beat: their heartbeat word is stale, so their age is not reported.
+NOT_LIVE = frozenset({State.EMPTY, State.STOPPED, State.FAILED})
+
+
+def heartbeat_age(rec: np.void, now: float) -> float | None:
+    """Seconds since the worker's last heartbeat (``now``: ``time.monotonic()``), or None for a
+    worker that is not live (no pid yet, stopped or failed): the one rule for ``status``'s
+    ``heartbeat_age_s`` and the ``ingestd_worker_heartbeat_age_seconds`` metric."""
+    if int(rec["pid"]) <= 0 or int(rec["state"]) in NOT_LIVE:  # an IntEnum set: plain ints match
+        return None
+    return max(0.0, now - float(rec["heartbeat"]))
+
+
 class PauseReason(enum.IntEnum):
     """Why a worker is paused (the ``pause_reason`` word; NONE while it collects)."""
 

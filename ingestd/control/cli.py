@@ -13,6 +13,8 @@ Exit codes (sysexits.h, so scripts can tell what went wrong):
 73  keygen: cannot write the key files (they exist: use --force; or --dir does not exist)
 75  temporary failure: the daemon replied timeout, busy or unavailable; retrying may work
 76  the reply was not understood (not an ingestd socket, or a version mismatch)
+141 stdout was closed early (``ingestctl status | head -1``): nothing more is printed, as when
+    SIGPIPE ends ``git`` or ``systemctl`` (a shell shows 128 + 13 for them)
 ==  =========================================================================
 
 With ``--json`` every command prints exactly one JSON object on stdout
@@ -34,6 +36,7 @@ from ingestd.control.commands import MAX_WAIT_S
 
 EX_OK, EX_FAILED, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 1, 64, 65, 66
 EX_UNAVAILABLE, EX_CANTCREAT, EX_TEMPFAIL, EX_PROTOCOL = 69, 73, 75, 76
+EX_PIPE = 128 + 13  # what a shell reports for a command SIGPIPE ended (Python ignores SIGPIPE)
 
 
 class UsageError(Exception):
@@ -123,6 +126,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone early is found while it can be caught
+        return code
+    except BrokenPipeError:  # `ingestctl status | head -1`: the reader has what it wanted; exit silently
+        _drop_stdout()
+        return EX_PIPE
+
+
+def _drop_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what
+    is still buffered does not print "Exception ignored ... BrokenPipeError" at exit."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's stand-in): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         args = _parser().parse_args(argv)
     except UsageError as exc:  # --json promises one JSON document, even for a command line it cannot parse
         return Output("--json" in (sys.argv[1:] if argv is None else argv)).error("usage", str(exc), EX_USAGE)
@@ -184,7 +209,10 @@ FINITE_OPTIONS = ("samples_per_insert", "min_diff", "max_diff")
 
 
 def _check_numbers(args) -> None:
-    """Refuse what ``float()`` lets through but no command can use: nan, inf, and seconds <= 0."""
+    """Refuse what ``float()`` lets through but no command can use: nan, inf, and seconds <= 0;
+    and an ``events --count`` below 1, which would exit at once having shown nothing."""
+    if getattr(args, "count", None) is not None and args.count < 1:
+        raise UsageError(f"ingestctl: --count must be a number of events >= 1, got {args.count}")
     for name in SECONDS_OPTIONS + FINITE_OPTIONS:
         value = getattr(args, name, None)
         if value is None:
@@ -287,6 +315,9 @@ def _push(client, args, out: Output) -> int:
     state = load_state_dict(args.file)
     pushed = client.push_weights_detailed(state, wait=not args.no_wait, timeout_s=args.wait)
     deferred = f"; paused workers {_list(pushed.deferred)} apply it on resume" if pushed.deferred else ""
+    if args.no_wait:  # nothing was waited for, so "applied by workers none" would read as a failure
+        return out.ok(pushed.to_json(), f"weights v{pushed.version}: published in {_ms(pushed.seconds)}; workers "
+                                        f"apply it between chunks (not waited for){deferred}")
     return out.ok(pushed.to_json(), f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
                                     f"in {_ms(pushed.seconds)}{deferred}")
 

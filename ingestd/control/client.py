@@ -39,7 +39,7 @@ import zmq
 
 from ingestd.control import curve
 from ingestd.control.commands import (
-    MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights,
+    MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights,
     Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
 from ingestd.control.protocol import (
@@ -182,7 +182,10 @@ class ControlClient:
 
     # -- commands ------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
-        return self.call(Ping())
+        pong = self.call(Ping())
+        if isinstance(pong, dict) and self._max_message_bytes is None:  # a push need not ask again
+            self._max_message_bytes = pong.get("max_message_bytes")
+        return pong
 
     def status(self) -> Status:
         return Status.from_json(self.call(GetStatus()))
@@ -235,7 +238,7 @@ class ControlClient:
         ``ping``, at this client's first push)."""
         size = sum(len(f) for f in frames) + 1024  # + the JSON header
         if self._max_message_bytes is None:
-            self._max_message_bytes = Pong.from_json(self.ping()).max_message_bytes
+            self.ping()
         limit = self._max_message_bytes
         if isinstance(limit, int) and size > limit:
             raise BadWeights(f"the encoded weights are {size} bytes, over the daemon's control.max_message_bytes "
@@ -350,6 +353,9 @@ class ControlClient:
                 hint = f"; {self._no_socket()}"
             elif not os.access(path, os.W_OK):
                 hint = f"; you have no write access to {path} (join the daemon's group)"
+            else:  # a file left behind (kill -9 unlinks nothing) looks like a daemon that just did not answer
+                hint = (f"; the socket file {path} exists but no daemon answered on it (killed, hung, or stopped "
+                        "without cleanup): check `systemctl status ingestd` or the daemon's pid")
         elif self.address.startswith("tcp://") and self.curve_keys is None:
             hint = "; tcp:// needs CURVE keys (--server-key/--client-key)"
         return (f"no reply to {cmd!r} from {self.address} within {budget:g} s "

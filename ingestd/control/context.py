@@ -194,17 +194,22 @@ class Context:
         return cache
 
     def on_main(self, fn: Callable[[], Any], deadline: float) -> Any:
-        """Run ``fn`` in the daemon's main thread and return its result."""
+        """Run ``fn`` in the daemon's main thread and return its result.
+
+        Past the deadline a command the main loop has not taken is withdrawn (``timeout``: it
+        was not run, so a retry is safe); one it already took is waited for, since saying it
+        was not taken would make a retry run it twice (a second restart)."""
         future = self.daemon.submit(fn)
         while True:
             self._check_stopping()
             try:
-                return future.result(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                left = deadline - time.monotonic()
+                return future.result(timeout=min(0.05, left) if left > 0 else 0.05)  # taken late: wait on
             except FutureTimeout:
-                if time.monotonic() >= deadline:
-                    future.cancel()
+                if time.monotonic() >= deadline and future.cancel():
                     raise RequestError(ErrorCode.TIMEOUT, "the daemon's main loop did not take the command "
-                                                          "before the deadline (is it overloaded?)") from None
+                                                          "before the deadline (is it overloaded?); it was "
+                                                          "not run") from None
 
     def _check_stopping(self) -> None:
         if self.stopping.is_set():

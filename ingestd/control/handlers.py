@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ingestd import __version__
-from ingestd.collect.stats import Desired, PauseReason, State
+from ingestd.collect.stats import NOT_LIVE, Desired, PauseReason, State, heartbeat_age
 from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
@@ -37,7 +37,6 @@ def ping(ctx: Context, request: Ping) -> dict:
                 ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes).to_json()  # control: not reloadable
 
 
-_NOT_LIVE = (State.STOPPED, State.FAILED, State.EMPTY)
 
 
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
@@ -52,7 +51,7 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
             frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"],
             last_return=recent[-1] if recent else None, restarts=rec["restarts"],
             weights_version=rec["weights_version"],
-            heartbeat_age_s=round(max(0.0, now - rec["heartbeat"]), 4) if pid > 0 and state not in _NOT_LIVE else None,
+            heartbeat_age_s=None if (age := heartbeat_age(rec, now)) is None else round(age, 4),
             error=error, pause_reason=_pause_reason(state, PauseReason(rec["pause_reason"])),
             recent_returns=recent))
     return out
@@ -202,7 +201,7 @@ def scale(ctx: Context, request: Scale) -> dict:
         def go() -> tuple[dict[int, int], dict[int, int]]:
             sup = daemon.supervisor
             before = {i: int(stats[i]["pid"]) for i in sup.live()}
-            sup.scale(request.count)
+            daemon.scale(request.count)  # checked like the config (replay capacity), and then the effective config
             fresh = {i: int(stats[i]["pid"]) for i, s in sup.slots.items() if not s.retiring and i not in before}
             leaving = {i: 0 for i, s in sup.slots.items() if s.retiring}
             return fresh, leaving
@@ -316,7 +315,7 @@ def profile(ctx: Context, request: Profile) -> dict:
         raise RequestError(ErrorCode.PROFILE_FAILED, "profiling is turned off (workers.enable_profile = false)")
     stats, index = daemon.layout.stats, request.worker
     rec = stats[index]
-    if index not in ctx.slots() or State(int(rec["state"])) in _NOT_LIVE or not pid_alive(int(rec["pid"])):
+    if index not in ctx.slots() or State(int(rec["state"])) in NOT_LIVE or not pid_alive(int(rec["pid"])):
         raise RequestError(ErrorCode.NO_SUCH_WORKER, f"worker {index} is not running; workers are {ctx.slots()}")
     deadline = ctx.deadline(request)
     path = Path(daemon.paths.runtime_dir) / "profiles" / f"worker{index}-{time.strftime('%Y%m%dT%H%M%S')}-" \
@@ -350,8 +349,13 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
     changes = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
                if getattr(request, f.name) is not None}
     if changes:
-        try:
+        def change() -> None:  # in the main thread, which owns the effective config (a reload races it)
+            daemon = ctx.daemon
+            config = daemon.with_live({f"limiter.{key}": value for key, value in changes.items()})
             lim.configure(dataclasses.replace(lim.params, **changes))
+            daemon.adopt(config)  # `ingestctl config` shows it; a reload sets the file's values again
+        try:
+            ctx.on_main(change, ctx.deadline(request))
         except ValueError as exc:
             raise RequestError(ErrorCode.BAD_REQUEST, f"{exc}; the limiter was not changed") from None
         ctx.publish("limiter.changed", **changes)

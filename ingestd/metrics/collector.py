@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ingestd.collect.stats import RING, PauseReason, State, StatsBlock
+from ingestd.collect.stats import RING, PauseReason, State, StatsBlock, heartbeat_age
 from ingestd.service.telemetry import Telemetry
 
 log = logging.getLogger("ingestd.metrics")
@@ -46,7 +47,7 @@ WORKER_METRICS = (
      "Times the supervisor restarted the worker (crash, hang or restart command)."),
     ("up", GaugeMetricFamily, "ingestd_worker_up", "1 if the worker process is alive, else 0."),
     ("heartbeat", GaugeMetricFamily, "ingestd_worker_heartbeat_age_seconds", "Seconds since the worker's last "
-     "heartbeat."),
+     "heartbeat (NaN while it has no live process: stopped, failed, not started yet)."),
     ("version", GaugeMetricFamily, "ingestd_worker_weights_version",
      "Weights version the worker has applied (0: none yet)."),
     ("lag", GaugeMetricFamily, "ingestd_policy_lag_versions", "Current weights version minus the worker's "
@@ -212,9 +213,10 @@ class IngestdCollector(Collector):
         """One worker's values, keyed as in ``WORKER_METRICS`` (``mean`` only once an episode finished)."""
         applied = int(rec["weights_version"])
         alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
+        age = heartbeat_age(rec, now)  # None as in status; NaN, not an age that grows for ever
         values = {
             "frames": int(rec["frames"]), "episodes": int(rec["episodes"]), "restarts": int(rec["restarts"]),
-            "up": 1 if alive else 0, "heartbeat": max(0.0, now - float(rec["heartbeat"])),
+            "up": 1 if alive else 0, "heartbeat": math.nan if age is None else age,
             "version": applied, "lag": max(0, current - applied) if current > 0 else 0,
             "limiter_s": float(rec["limiter_blocked_s"]), "limiter_n": int(rec["limiter_waits"]),
         }

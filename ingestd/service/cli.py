@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "run":
+        from ingestd.service.signals import catch_early_sighup
+
+        catch_early_sighup()  # before the seconds of imports: a SIGHUP must not kill a starting daemon
     if args.command == "replay":
         return _replay(args)
     from ingestd.errors import ConfigError, DaemonAlreadyRunning, SchemaMismatch, StorageFull
@@ -100,9 +104,12 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
+            from ingestd.collect.features import check_device
             from ingestd.service.layout import check_factories
 
-            check_factories(cfg.load_config(args.file, args.overrides).workers)  # as `run` does first
+            checked = cfg.load_config(args.file, args.overrides)
+            check_factories(checked.workers)  # as `run` does first
+            check_device(checked.workers.device)  # a device this host lacks fails `run` with 78 too
             print(f"{args.file}: ok")
             return 0
         config = cfg.load_config(args.config, args.overrides)

@@ -60,7 +60,12 @@ class Int(Rule):
 
     @property
     def accepted(self) -> str:
+        """For the reference (docs/config.md): a 19-digit bound no setting reaches is left out there."""
         return f"an integer >= {self.lo}" if self.hi >= 2**62 else f"an integer in {self.lo}..{self.hi}"
+
+    def fail(self, key: str, value: Any, hint: str = "") -> ConfigError:
+        # an error names the real bounds: "an integer >= 0" cannot explain why 2**63 - 1 is refused
+        return ConfigError(key, f"expected an integer in {self.lo}..{self.hi}, got {describe(value)}{hint}")
 
     def check(self, key: str, value: Any) -> int:
         if isinstance(value, float) and value.is_integer():
@@ -398,7 +403,10 @@ class ControlConfig:
                                                 "pushes.", Int(1024, 2**40))
     max_frames: int = setting(8, "Most frames in one request (JSON header + binary payloads).", Int(2, 1024))
     ack_timeout_s: float = setting(
-        10.0, "How long a command waits for workers to acknowledge (pause, resume, weights applied).",
+        10.0, "How long a command waits for workers to acknowledge (pause, resume, restart, scale, weights "
+        "applied) and for the main loop to take it (reload, limiter) when the request names no wait itself: "
+        "ControlClient and ingestctl always name one (their ack_timeout / --wait, default 10 s), so this "
+        "applies to raw protocol clients and to reload.",
         Float(0.0), live=True)
 
 

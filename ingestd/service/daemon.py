@@ -13,10 +13,12 @@ from typing import Callable, Mapping
 
 import torch
 
-from ingestd.collect.stats import Desired, State
+from ingestd.collect.stats import Desired, PauseReason, State
 from ingestd.errors import ConfigError, DaemonAlreadyRunning
+from ingestd.service.config import toml_value, with_overrides
 from ingestd.service.layout import Layout, build_layout, make_dir, raise_unusable_path
 from ingestd.service.notify import Notifier, unset_environment
+from ingestd.service.signals import EARLY_SIGHUP
 from ingestd.service.supervisor import RestartPolicy, Supervisor
 from ingestd.service.telemetry import Telemetry
 
@@ -24,6 +26,15 @@ log = logging.getLogger("ingestd.daemon")
 
 TICK_S = 0.02
 STATUS_EVERY_S = 5.0
+
+
+def _may_write(rec) -> bool:
+    """Whether a worker (its stats record) is starting or collecting: not failed, not paused,
+    not held back by the rate limiter."""
+    state = int(rec["state"])
+    if state in (State.FAILED, State.PAUSED):
+        return False
+    return not (state == State.RUNNING and int(rec["pause_reason"]) == PauseReason.LIMITER)
 
 
 class Daemon:
@@ -116,10 +127,14 @@ class Daemon:
             self._wake.clear()
 
     def _first_data(self, start_count: int) -> bool:
+        """Whether to tell systemd READY: the workers wrote, or none of them is going to write
+        now (each failed, paused, e.g. by a ``workers.total_frames`` budget a reused replay had
+        already reached, or held back by the rate limiter): systemd then sees the daemon up
+        and its status, instead of a start that times out and restarts it in a loop."""
         if self.layout.storage.write_count > start_count:
             return True
-        running = [i for i in self.supervisor.slots if self.layout.stats.state(i) != State.FAILED]
-        return not running  # nothing will ever write: say ready anyway so systemd can see status
+        records = self.layout.stats.records
+        return not any(_may_write(records[i]) for i in self.supervisor.slots)
 
     def _run_calls(self) -> None:
         while True:
@@ -162,6 +177,9 @@ class Daemon:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, reload)
+        if EARLY_SIGHUP.is_set():  # a SIGHUP during start-up (the torch import): the file may have changed
+            log.info("a SIGHUP arrived while starting: reloading the config")
+            self._reload_requested = True
 
     # -- operations (main thread) -----------------------------------------------------------
     def reload(self) -> dict:
@@ -177,6 +195,15 @@ class Daemon:
             self._reloaded()
             raise
         applied, needs_restart = reloadable_diff(self.config, new)
+        try:  # what would run: the file's live keys with the running values of the others
+            checked = with_overrides(_with_live(self.config, new, applied), ())
+        except ConfigError as exc:
+            log.error("reload refused, keeping the running config: %s (with the running values of the keys that "
+                      "need a restart: %s)", exc, ", ".join(needs_restart) or "none")
+            self._reloaded()
+            raise ConfigError(exc.key, f"{exc.message}; with the running values of the keys that need a restart "
+                                       f"({', '.join(needs_restart) or 'none changed'}), so nothing was applied: "
+                                       "restart the daemon to apply the file") from None
         if "service.log_level" in applied:
             logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
         if "workers.count" in applied:
@@ -185,8 +212,7 @@ class Daemon:
             from ingestd.replay.limiter import params_of
 
             self.layout.limiter.configure(params_of(new.limiter))
-        self.config = _with_live(self.config, new, applied)
-        self.layout.config = self.config
+        self.adopt(checked)
         self.supervisor.policy = restart_policy(self.config.workers)
         if needs_restart:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
@@ -194,6 +220,23 @@ class Daemon:
         self._reloaded()
         self.emit("config.reloaded", applied=applied, not_applied=needs_restart)
         return {"applied": applied, "not_applied": needs_restart}
+
+    def with_live(self, changes: Mapping[str, object]):
+        """The running config with live ``changes`` (``{"workers.count": 4}``), checked as a config
+        file would be (``ConfigError`` names the rule): for changes made over the socket."""
+        return with_overrides(self.config, [f"{key}={toml_value(value)}" for key, value in changes.items()])
+
+    def adopt(self, config) -> None:
+        """Make ``config`` the effective one (``ingestctl config``, the metrics, the next reload's diff)."""
+        self.config = config
+        self.layout.config = config
+
+    def scale(self, count: int) -> None:
+        """Run ``count`` workers (main thread): refused like a config file asking for it, e.g. when
+        the replay is too small for that many writers."""
+        config = self.with_live({"workers.count": count})
+        self.supervisor.scale(count)
+        self.adopt(config)
 
     def _reloaded(self) -> None:
         """READY=1 ends the RELOADING=1 state (sent only once the daemon was ready)."""
