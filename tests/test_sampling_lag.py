@@ -2,6 +2,7 @@
 minus k, whatever the sampler; the lag of sampled rows is reported."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from sampling_rows import checksum_rollouts, example_rows, rows
@@ -141,3 +142,28 @@ def test_sampling_arguments_are_checked(shm_dir):
         r.close()
         with pytest.raises(ClosedError):
             r.empty_batch(4)
+
+
+def test_the_eligible_slots_follow_new_rows_without_a_rescan(shm_dir, monkeypatch):
+    """After the one scan for a lag bound, rows written since join the candidates (they are the
+    recent ones); a new bound scans again."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 4000) as store:
+        store.write(rows(3000, version=0))
+        store.write(rows(5, version=5, start=100))
+        current = [5]
+        with ReplayReader(store.path, seed=0, max_policy_lag=0, weights_version=lambda: current[0]) as r:
+            assert set(r.sample(256).get(("ingestd", "worker")).tolist()) <= set(range(100, 105))
+            sampling = r._sampling
+            scans = []
+            real = np.flatnonzero
+            monkeypatch.setattr(np, "flatnonzero", lambda a: scans.append(a.size) or real(a))
+            store.write(rows(5, version=5, start=200))  # new recent rows, after the scan
+            seen = set()
+            for _ in range(20):
+                seen |= set(r.sample(256).get(("ingestd", "worker")).tolist())
+            assert seen == set(range(100, 105)) | set(range(200, 205))
+            assert not any(size >= 3000 for size in scans), scans  # no full rescan for them
+            current[0] = 6
+            store.write(rows(5, version=6, start=300))
+            assert set(r.sample(256).get(("ingestd", "worker")).tolist()) <= set(range(300, 305))
+            assert sampling._eligible_cache[0] == 6

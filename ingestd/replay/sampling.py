@@ -81,6 +81,7 @@ class Sampling:
         self._record_bytes = layout.record_bytes
         self.last_lag: tuple[int, float, int] | None = None  # (min, mean, max) of the last sample
         self._min_version: int | None = None
+        self._eligible_cache: tuple[int | None, int, np.ndarray] | None = None  # (min_version, write_count, slots)
 
     @property
     def active(self) -> bool:
@@ -275,13 +276,32 @@ class Sampling:
             cumulative, r._rng.random(m) * cumulative[-1], side="right"), last)]
 
     def _eligible(self, filled: int) -> np.ndarray:
-        """Committed slots whose row is recent enough (a scan: the fallback when most are not)."""
+        """Slots whose row is recent enough (the fallback when most are not), sorted.
+
+        One scan of the whole storage per ``min_version``; after it, each call looks only at
+        the slots written since (rows being written then are kept as candidates: the copy
+        checks every drawn row anyway), so a trainer whose eligible rows are rare right after
+        a push does not rescan a million slots per batch."""
         r = self.reader
-        seq = r.seq[:filled]
-        ok = (seq > 0) & ((seq & 1) == 0)
-        if self._min_version is not None:
-            ok &= r._arrays[POLICY_VERSION][:filled] >= self._min_version
-        return np.flatnonzero(ok)
+        written = r.write_count
+        cached = self._eligible_cache
+        if cached is None or cached[0] != self._min_version or written - cached[1] >= r.capacity:
+            seq = r.seq[:filled]
+            ok = (seq > 0) & ((seq & 1) == 0)
+            if self._min_version is not None:
+                ok &= r._arrays[POLICY_VERSION][:filled] >= self._min_version
+            eligible = np.flatnonzero(ok)
+        else:
+            eligible = cached[2]
+            if written > cached[1]:
+                fresh = np.arange(cached[1], written) % r.capacity
+                if self._min_version is not None:
+                    seq = r.seq[fresh]
+                    fresh = fresh[(seq == 0) | ((seq & 1) == 1)
+                                  | (r._arrays[POLICY_VERSION][fresh] >= self._min_version)]
+                eligible = np.union1d(eligible, fresh)
+        self._eligible_cache = (self._min_version, written, eligible)
+        return eligible
 
     def _draw_prioritized(self, m: int) -> np.ndarray | None:
         """``m`` slots drawn by priority, stratified: the total is cut into ``m`` equal ranges and
