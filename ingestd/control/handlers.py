@@ -432,6 +432,6 @@ HANDLERS: dict[type[Request], Handler] = {
     PushWeights: Handler(push_weights, fast=False),
     Reload: Handler(reload, fast=False),
     Profile: Handler(profile, fast=False),
-    SetLimiter: Handler(limiter, fast=True),
+    SetLimiter: Handler(limiter, fast=False),  # a change goes through the main thread (the effective config)
     Snapshot: Handler(snapshot, fast=False, read_only=True),
 }
