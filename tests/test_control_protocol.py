@@ -571,3 +571,16 @@ def test_a_command_taken_by_the_main_loop_is_not_reported_as_not_taken():
     with pytest.raises(RequestError, match="it was not run") as err:
         ctx.on_main(lambda: "done", time.monotonic() + 0.1)
     assert err.value.code == "timeout" and never.ran == 0
+
+
+def test_fast_handlers_never_wait_for_the_main_thread():
+    """A fast command runs on the control thread, which must answer ping and status while the
+    main loop is busy (a restart forking workers): none may queue work on the main thread."""
+    import inspect
+
+    from ingestd.control.handlers import HANDLERS
+
+    fast = {request.cmd: handler.run for request, handler in HANDLERS.items() if handler.fast}
+    assert {"ping", "status", "config"} <= set(fast)
+    for cmd, run in fast.items():
+        assert "on_main" not in inspect.getsource(run), f"fast command {cmd} waits for the main thread"
