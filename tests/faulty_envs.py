@@ -73,3 +73,11 @@ def slow_start(ctx, seconds: float = 2.0):
     if ctx.num_envs > 1:
         time.sleep(seconds)
     return make_env("Checksum", ctx, {})
+
+
+def failing_build(ctx, only_worker: int = -1):
+    """A Checksum env that worker ``only_worker`` (every worker: -1) cannot build: it fails
+    before it ever runs (the daemon's one-sub-env schema probe builds it fine)."""
+    if ctx.num_envs > 1 and only_worker in (-1, ctx.worker):
+        raise RuntimeError("simulated env build failure")
+    return make_env("Checksum", ctx, {})

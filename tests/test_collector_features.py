@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -392,3 +393,27 @@ def test_compiled_policy_keeps_the_heartbeat_during_its_first_call():
     beats.clear()
     slow("td")
     assert not beats
+
+
+def test_a_failed_profile_is_answered_once_not_run_again_into_the_error_text(tmp_path):
+    """A profile that could not start answers with ``-seq`` and puts ``error: ...`` in the path
+    word; the next poll took that for a new request and profiled into a file named after the
+    error (a 50 MB trace under the worker's cwd)."""
+    from ingestd.collect import profiling
+    from ingestd.collect.stats import StatsBlock
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    try:
+        rec = stats[0]
+        requests = profiling.ProfileRequests(rec, 0)
+        blocked = tmp_path / "file"
+        blocked.write_text("")  # a file where the trace's directory should be: mkdir fails
+        seq = profiling.request(rec, blocked / "sub" / "trace.json", 0.1)
+        requests.poll()
+        assert not requests.active and profiling.outcome(rec, seq)[0] is False
+        for _ in range(3):
+            requests.poll()
+            assert not requests.active, "the failure was taken for a new request"
+        assert not list(tmp_path.glob("error*")) and not list(Path.cwd().glob("error: *"))
+    finally:
+        stats.close()

@@ -187,6 +187,23 @@ def test_crash_looping_worker_is_marked_failed_others_continue():
         assert "simulated env failure" in d.log()
 
 
+def test_a_restart_whose_worker_never_comes_up_fails_naming_it():
+    """`ingestctl restart` reported success for a worker that failed again at once."""
+    from ingestd import CommandFailed, ControlClient
+
+    overrides = {"workers.env": "faulty_envs:failing_build", "workers.env_kwargs": {"only_worker": 1},
+                 "workers.policy": "Random", "workers.count": 2, "workers.restart_budget": 1}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        d.wait_ready(rows=100)
+        with ControlClient(d.control_address, timeout=10) as client:
+            wait_for(lambda: client.status().workers[1].state == "failed", 30, "worker 1 to be marked failed")
+            with pytest.raises(CommandFailed, match=r"workers \[1\] did not come up.*simulated env build failure"
+                               ) as err:
+                client.restart([0, 1])
+            assert err.value.code == "worker_failed" and "workers [0] did" in err.value.message
+        assert d.stop() == 0
+
+
 def test_env_slower_to_build_than_the_heartbeat_timeout_is_not_taken_for_a_hang():
     # the build takes 2.5 heartbeat timeouts; the keepalive beats every 0.5 s, a quarter of the
     # timeout (at 1 s, a worker stalled for 0.5 s on a busy machine would be taken for hung)

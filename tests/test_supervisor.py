@@ -116,3 +116,47 @@ def test_scaled_down_then_up_while_waiting_to_restart_is_still_restarted(sleeper
     now[0] += 1.0
     supervisor.tick()
     assert started == [1] and 1 in supervisor.slots
+
+
+def test_workers_are_numbered_in_start_order_before_they_fork(tmp_path):
+    """Each worker's seed and episode ids derive from its incarnation number. Workers took it from
+    the storage themselves once forked, so with several workers the order of the race decided
+    which seed each got (runs with one service.seed were not reproducible): the supervisor now
+    numbers them in index order, in the stats record, before each fork."""
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    numbers = iter(range(1, 100))
+    seen: dict[int, int] = {}
+
+    class Recorded(Sleeper):
+        def __init__(self, target, args, name, daemon):
+            self.index = int(name.rsplit("-", 1)[1])
+
+        def start(self) -> None:  # the number is in the record when the child would read it
+            seen[self.index] = int(stats[self.index]["incarnation"])
+            super().__init__()
+
+    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(), incarnation=lambda: next(numbers))
+    supervisor._ctx = type("Ctx", (), {"Process": Recorded})()
+    try:
+        supervisor.scale(3)
+        supervisor.tick()
+        assert seen == {0: 1, 1: 2, 2: 3}
+    finally:
+        for slot in supervisor.slots.values():
+            if slot.process is not None:
+                slot.process.stop()
+        stats.close()
+
+
+def test_a_worker_gone_without_a_word_has_its_exit_in_the_error(sleepers):
+    """A worker killed by a signal (the OOM killer) or by os._exit leaves no error of its own:
+    status showed a failed worker with no reason; the supervisor now records how it ended."""
+    supervisor, stats, procs, now = sleepers
+    assert stats.error(0) == ""
+    procs[0].stop()  # SIGKILL
+    supervisor.tick()
+    assert stats.error(0).startswith("killed by SIGKILL"), stats.error(0)
+    stats.set_error(1, "ValueError: the env's own words")
+    procs[1].stop()
+    supervisor.tick()
+    assert stats.error(1) == "ValueError: the env's own words"  # a worker's own error is kept

@@ -42,7 +42,7 @@ class ProfileRequests:
         rec = self.rec
         if self._profiler is None:
             seq = int(rec["profile_seq"])
-            if seq != int(rec["profile_done"]):
+            if seq != abs(int(rec["profile_done"])):  # -seq: answered with a failure, not a new request
                 self._start(seq, bytes(rec["profile_path"]).decode("utf-8", "replace"),
                             float(rec["profile_seconds"]))
         elif time.monotonic() >= self._until:

@@ -122,7 +122,9 @@ class Worker:
         from ingestd.replay.limiter import Limiter
 
         self.limiter = Limiter.attach(spec.replay_path, inserts=lambda: storage.write_count)
-        incarnation = storage.next_incarnation()
+        # the supervisor numbers workers in start order (reproducible seeds); a worker started on
+        # its own takes a number itself
+        incarnation = int(rec["incarnation"]) or storage.next_incarnation()
         seed = derive_seed(spec.seed, spec.index, incarnation)
         rec["incarnation"], rec["seed"] = incarnation, seed
         seeds = component_seeds(seed)

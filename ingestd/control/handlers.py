@@ -167,6 +167,17 @@ def _started_again(index: int, old_pid: int, rec) -> bool | None:
     return False if state == State.FAILED else None
 
 
+def _all_up(ctx: Context, done: list[int], failed: list[int]) -> list[int]:
+    """``done``, or ``worker_failed`` naming the workers whose new process failed and why (a
+    restart that reported success while a worker never came back misled operators' scripts)."""
+    if not failed:
+        return done
+    stats = ctx.daemon.layout.stats
+    why = "; ".join(f"worker {i}: {stats.error(i) or 'no error recorded'}" for i in failed)
+    raise RequestError(ErrorCode.WORKER_FAILED, f"workers {failed} did not come up (failed): {why}; workers "
+                                                f"{done} did")
+
+
 def _gone(index: int, pid: int, rec) -> bool | None:
     """Verdict for a retired worker: done once the supervisor has reaped it and freed its slot."""
     return True if int(rec["state"]) == State.EMPTY else None
@@ -187,7 +198,7 @@ def restart(ctx: Context, request: Restart) -> dict:
             raise RequestError(ErrorCode.NO_SUCH_WORKER, str(exc.args[0]) if exc.args else str(exc)) from None
         if not request.wait:
             return sorted(old)
-        return ctx.wait(old, _started_again, deadline, "come back up", drop_dead=False)[0]
+        return _all_up(ctx, *ctx.wait(old, _started_again, deadline, "come back up", drop_dead=False))
 
     workers, started = _locked_change(ctx, request, change, "the restart")
     return Acked(workers, round(time.monotonic() - started, 6)).to_json()
@@ -211,7 +222,7 @@ def scale(ctx: Context, request: Scale) -> dict:
         except ValueError as exc:
             raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
         if request.wait:
-            ctx.wait(fresh, _started_again, deadline, "start", drop_dead=False)
+            _all_up(ctx, *ctx.wait(fresh, _started_again, deadline, "start", drop_dead=False))
             ctx.wait(leaving, _gone, deadline, "stop", drop_dead=False)
         return list(range(request.count))
 

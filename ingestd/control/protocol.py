@@ -41,6 +41,7 @@ class ErrorCode(str, enum.Enum):
     BAD_WEIGHTS = "bad_weights"  # a push that does not fit the policy (nothing changed)
     NO_WEIGHTS = "no_weights"  # the configured policy has no weights to push
     NO_SUCH_WORKER = "no_such_worker"
+    WORKER_FAILED = "worker_failed"  # a (re)started worker did not come up: it failed (status shows why)
     TIMEOUT = "timeout"  # workers did not acknowledge within the deadline (the change stays requested)
     BUSY = "busy"  # too many slow commands in flight; retry later
     RELOAD_FAILED = "reload_failed"  # the config file is wrong; the running config is kept

@@ -92,7 +92,8 @@ class Daemon:
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
-                                     on_event=self.emit, clock=self.clock)
+                                     on_event=self.emit, clock=self.clock,
+                                     incarnation=self.layout.storage.next_incarnation)
         try:
             for service in self.services:
                 service.start(self)

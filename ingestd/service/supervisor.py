@@ -45,11 +45,27 @@ class Slot:
     hung: bool = False  # SIGKILLed for a missed heartbeat, not reaped yet (report and kill it once)
 
 
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (no error reported; SIGKILL: the OOM killer?)" if name == "SIGKILL" else \
+            f"killed by {name} (no error reported)"
+    return f"exited with code {code} without reporting an error (os._exit, or a crash before it could)"
+
+
 class Supervisor:
     def __init__(self, make_spec: Callable[[int], WorkerSpec], stats: StatsBlock, policy: RestartPolicy,
-                 on_event: EventSink = lambda kind, **f: None, clock: Callable[[], float] = time.monotonic):
+                 on_event: EventSink = lambda kind, **f: None, clock: Callable[[], float] = time.monotonic,
+                 incarnation: Callable[[], int] | None = None):
+        """``incarnation``: hands out the storage's next incarnation number (its seed and episode
+        ids derive from it). Taken here, in start order, so that each worker's seed does not
+        depend on which of the freshly forked workers reaches the storage first; without it a
+        worker takes its own."""
         self._make_spec, self.stats, self.policy = make_spec, stats, policy
-        self._on_event, self._clock = on_event, clock
+        self._on_event, self._clock, self._incarnation = on_event, clock, incarnation
         self._ctx = mp.get_context("fork")
         self.slots: dict[int, Slot] = {}
         self.desired = Desired.RUN
@@ -128,6 +144,8 @@ class Supervisor:
         self.stats.reset(index)
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
+        if self._incarnation is not None:
+            self.stats[index]["incarnation"] = self._incarnation()
         slot.process = self._ctx.Process(target=worker_main, args=(slot.spec,), name=f"ingestd-worker-{index}",
                                          daemon=False)
         slot.process.start()
@@ -151,7 +169,10 @@ class Supervisor:
             self._on_event("worker.restarted", worker=index, reason="requested")
             return
         slot.failures = 1 if rec["chunks"] > 0 else slot.failures + 1
-        error = self.stats.error(index) or f"exit code {code}"
+        error = self.stats.error(index)
+        if not error:  # gone without a word (os._exit, a segfault, the OOM killer): status says how
+            error = _exit_reason(code)
+            self.stats.set_error(index, error)
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
