@@ -279,6 +279,53 @@ def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
         assert first.stop() == 0
 
 
+def _args_with(daemon: DaemonProc, **settings: str) -> list[str]:
+    """``daemon``'s command line with some ``--set`` values replaced (already TOML-quoted)."""
+    args = daemon.args()
+    for key, value in settings.items():
+        at = args.index(next(a for a in args if a.startswith(f"{key}=")))
+        args[at] = f"{key}={value}"
+    return args
+
+
+def test_a_second_daemon_is_refused_even_when_the_lock_file_was_deleted(tmp_path):
+    """With the first daemon's ingestd.lock deleted (tmpfiles ageing /tmp), a second daemon on
+    the same runtime dir locked a new file, published its own initial weights into the first
+    one's store and reset its stats block before failing on the control address."""
+    from ingestd import ControlClient
+
+    with DaemonProc(overrides={"workers.count": 1}) as first:
+        first.wait_ready(rows=100)
+        with ControlClient(first.control_address, timeout=10) as client:
+            before = client.status()
+            (first.runtime_dir / "ingestd.lock").unlink()
+            second = _args_with(first, **{"service.data_dir": f'"{tmp_path / "data"}"'})
+            proc = subprocess.run(second, capture_output=True, text=True, timeout=90)
+            assert proc.returncode == 75, proc.stderr
+            assert "a daemon answers on" in proc.stderr and "lock file was deleted" in proc.stderr
+            after = client.status()
+        assert after.weights_version == before.weights_version
+        assert [w.pid for w in after.workers] == [w.pid for w in before.workers] and after.workers[0].frames > 0
+        assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+        assert first.stop() == 0
+
+
+def test_a_second_daemon_on_the_same_replay_is_refused(tmp_path):
+    """Other runtime dir, same replay.path: it would have recovered (cleared) the slots the
+    first daemon was writing and numbered weights over its versions."""
+    with DaemonProc(overrides={"workers.count": 1}) as first:
+        first.wait_ready(rows=100)
+        second = _args_with(first, **{"service.runtime_dir": f'"{tmp_path / "run"}"', "metrics.port": "0"})
+        second += ["--set", f'replay.path="{first.replay_path}"']
+        proc = subprocess.run(second, capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 75, proc.stderr
+        assert "another ingestd daemon writes the replay" in proc.stderr
+        with ReplayReader(first.replay_path) as reader:
+            count = reader.write_count
+            wait_for(lambda: reader.write_count > count, 10, "the first daemon to keep writing")
+        assert first.stop() == 0
+
+
 # Config errors found only once the daemon starts, each run as `ingestd run` with `{tmp}` a fresh
 # directory: case -> (settings, text the message must name, text explaining why). Each process
 # imports torch (~6 s of CPU), so the module runs them all at once (``startup_failures``).

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -88,7 +89,8 @@ class Daemon:
         torch.set_num_threads(1)  # the daemon forks workers: keep OpenMP's pool unstarted here
         unset_environment(os.environ)  # the Notifier has read them; workers must not inherit them
         self._install_signals()
-        self._instance_lock = lock_runtime_dir(self.paths.runtime_dir)
+        self._instance_lock = lock_runtime_dir(self.paths.runtime_dir, self.paths.control)
+        self._replay_lock = lock_replay(self.paths.replay)
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
@@ -256,25 +258,67 @@ class Daemon:
                 f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
 
 
-def lock_runtime_dir(runtime_dir) -> int:
+def lock_runtime_dir(runtime_dir, control: str = "") -> int:
     """Hold an exclusive flock on ``<runtime_dir>/ingestd.lock`` for the daemon's lifetime, so a
-    second daemon on the same runtime dir refuses to start instead of clobbering the first."""
-    import fcntl
-    from pathlib import Path
+    second daemon on the same runtime dir refuses to start instead of clobbering the first.
+
+    A lock file deleted under a running daemon (``systemd-tmpfiles`` ageing ``/tmp``, an operator
+    tidying up) would let a second one lock a new file and then overwrite the first one's weight
+    store and stats block: a daemon answering on the control socket (``control``, an ipc address)
+    is refused too, before anything is touched."""
+    from ingestd.control.protocol import socket_file
 
     make_dir(runtime_dir, "service.runtime_dir")
     lock = Path(runtime_dir) / "ingestd.lock"
+    fd = _hold(lock, "service.runtime_dir", f"another ingestd daemon is running with runtime dir {runtime_dir}; "
+                                           "stop it first, or give this one its own service.runtime_dir")
+    path = socket_file(control)
+    if path is not None and _answering(path):
+        os.close(fd)
+        raise DaemonAlreadyRunning(f"a daemon answers on {path}, although nothing held {lock} (the lock file was "
+                                   "deleted while it ran?); stop that daemon first (`ingestctl --connect "
+                                   f"ipc://{path} ping` gives its pid)")
+    return fd
+
+
+def lock_replay(replay) -> int:
+    """Hold an exclusive flock on ``<replay>.lock`` (beside the replay directory) for the daemon's
+    lifetime: two daemons writing one replay (other runtime dirs, the same ``replay.path``) would
+    recover slots the other is writing, number weights over each other and stamp the same worker
+    indices. Taken before the replay is opened."""
+    make_dir(Path(replay).parent, "replay.path")
+    return _hold(Path(f"{replay}.lock"), "replay.path",
+                 f"another ingestd daemon writes the replay {replay}; stop it, or give this one its own "
+                 "replay.path (trainers can read a replay any daemon writes)")
+
+
+def _hold(lock: Path, key: str, busy: str) -> int:
+    import fcntl
+
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o640)
     except OSError as exc:
-        raise_unusable_path("service.runtime_dir", exc, f"cannot open {lock}")
+        raise_unusable_path(key, exc, f"cannot open {lock}")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DaemonAlreadyRunning(f"another ingestd daemon is running with runtime dir {runtime_dir}; "
-                                   "stop it first, or give this one its own service.runtime_dir") from None
+        raise DaemonAlreadyRunning(busy) from None
     return fd
+
+
+def _answering(path: str) -> bool:
+    """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
+    left by a killed one refuses them)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def restart_policy(workers) -> RestartPolicy:
