@@ -370,3 +370,27 @@ def test_a_file_given_as_the_storage_is_named_a_file(shm_dir, capsys):
     err = capsys.readouterr().err
     assert "is a file, not a storage directory" in err and "does not exist" not in err, err
     assert not (shm_dir / "snap").exists() and leftovers(shm_dir) == []
+
+
+def test_partial_snapshots_of_dead_writers_are_removed(tmp_path):
+    """A daemon killed mid-snapshot left its partial directory for ever, and its megabytes made
+    the next snapshot fail on a full disk; a live writer's partial is left alone."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        dead_partial = tmp_path / f".s4.partial-{gone.pid}-7"
+        live_partial = tmp_path / f".s5.partial-{live.pid}-8"
+        own_partial = tmp_path / f".s6.partial-{os.getpid()}-9"  # this process writes none now
+        for folder in (dead_partial, live_partial, own_partial):
+            folder.mkdir()
+            (folder / "data").write_bytes(b"x" * 100)
+        (tmp_path / "kept").mkdir()  # a finished snapshot
+        removed = snapshot.remove_stale_partials(tmp_path)
+        assert sorted(removed) == sorted([dead_partial, own_partial])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_partial.name, "kept"])
+    finally:
+        live.kill()
+        live.wait()

@@ -265,3 +265,30 @@ def test_reader_process_never_sees_a_torn_state(tmp_path):
                 child.kill()
     assert torn == 0, f"{torn} torn reads out of {n_reads}"
     assert n_reads >= 50 and len(seen) >= 25, (n_reads, len(seen), store.version)
+
+
+_CREATE_WITHOUT_ROOM = """
+import resource, signal, sys
+import torch
+from ingestd.weights import WeightStore, manifest_of
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past RLIMIT_FSIZE: EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    WeightStore.create(sys.argv[1], manifest_of({"w": torch.zeros(1 << 20)}))  # 2 x 4 MiB buffers
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_no_room_for_the_weight_store_is_a_clear_error_not_sigbus(shm_dir):
+    """The store was sized sparse and filled through the mapping: on a runtime dir without room
+    the daemon died of SIGBUS (exit 135, nothing logged) and systemd restarted it in a loop.
+    (A fresh interpreter, not a fork: torch's thread pool does not survive a fork.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CREATE_WITHOUT_ROOM, str(shm_dir / "weights")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr}"
+    assert done.stdout.startswith("StorageFull: no room for the weight store") and "MiB" in done.stdout, done.stdout
+    assert list(shm_dir.iterdir()) == []  # the half-made .weights.<pid>.tmp is gone

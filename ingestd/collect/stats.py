@@ -87,9 +87,15 @@ class StatsBlock:
         self.path = Path(path)
         size = RECORD.itemsize * MAX_WORKERS
         if create:
+            from ingestd.replay.files import reserve  # here: the package imports torch, readers of stats need not
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
-            os.ftruncate(fd, size)
+            try:
+                reserve(fd, size)  # a full runtime dir: ENOSPC here, not SIGBUS in a worker
+            except BaseException:
+                os.close(fd)
+                raise
         else:
             fd = os.open(self.path, os.O_RDWR)
         try:

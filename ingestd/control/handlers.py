@@ -26,7 +26,7 @@ from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapsho
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
 from ingestd.errors import BadWeights, ConfigError, CorruptStorage, SnapshotExists
-from ingestd.replay.snapshot import check_name, save
+from ingestd.replay.snapshot import check_name, remove_stale_partials, save
 
 log = logging.getLogger("ingestd.control")
 
@@ -398,6 +398,8 @@ def snapshot(ctx: Context, request: Snapshot) -> dict:
         folder = Path(paths.data_dir) / "snapshots"
         try:
             folder.mkdir(mode=SNAPSHOTS_DIR_MODE, parents=True, exist_ok=True)
+            for stale in remove_stale_partials(folder):
+                log.warning("removed %s, a snapshot a killed daemon left half-written", stale)
             dest = folder / (request.name or _free_name(folder, time.time()))
             info = save(paths.replay, dest)
         except SnapshotExists:  # only save raises it: dest is set

@@ -167,12 +167,19 @@ def allocate_file(file: Path, size: int) -> None:
     system has it (tmpfs, ext4, xfs; elsewhere it stays sparse). Raises an ``OSError`` whose
     errno is in ``NO_ROOM`` when there is no room."""
     with open(file, "wb") as f:
-        f.truncate(size)
-        try:
-            os.posix_fallocate(f.fileno(), 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
+        reserve(f.fileno(), size)
+
+
+def reserve(fd: int, size: int) -> None:
+    """Size the open file ``fd`` to ``size`` bytes with its blocks allocated where the file system
+    can (a mapping of a sparse file SIGBUSes the first process that touches a page a full
+    file system cannot back; this raises ENOSPC here instead)."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
 
 
 def map_file(file: Path, size: int, writable: bool) -> mmap.mmap | None:

@@ -32,7 +32,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ingestd.errors import BadWeights, ClosedError, CorruptStorage, IngestdError, StorageNotFound
+from ingestd.errors import BadWeights, ClosedError, CorruptStorage, IngestdError, StorageFull, StorageNotFound
+from ingestd.replay import files
 from ingestd.weights.wire import Manifest, manifest_of, tensor_bytes, tensors_of
 
 MAGIC = 0x494E4745_5754_0001  # "INGEWT" + 1
@@ -94,7 +95,14 @@ class WeightStore:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
         try:
-            os.ftruncate(fd, bases[1] + size)
+            try:
+                files.reserve(fd, bases[1] + size)
+            except OSError as exc:
+                if exc.errno not in files.NO_ROOM:
+                    raise
+                raise StorageFull(f"no room for the weight store at {path}: it needs {(bases[1] + size) / 2**20:.1f} "
+                                  f"MiB ({exc.strerror}); free space where service.runtime_dir is, or choose a "
+                                  "runtime dir with room") from exc
             mm = mmap.mmap(fd, bases[1] + size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             mm[PAGE:PAGE + len(manifest_json)] = manifest_json
             header = np.frombuffer(mm, np.int64, HEADER_WORDS)
