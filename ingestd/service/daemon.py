@@ -90,6 +90,7 @@ class Daemon:
         unset_environment(os.environ)  # the Notifier has read them; workers must not inherit them
         self._install_signals()
         self._instance_lock = lock_runtime_dir(self.paths.runtime_dir, self.paths.control)
+        make_dir(self.paths.data_dir, "service.data_dir")  # first: a data dir that cannot be made is named as such
         self._replay_lock = lock_replay(self.paths.replay)
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
