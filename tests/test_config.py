@@ -258,6 +258,17 @@ def test_config_check_refuses_a_device_this_host_lacks(tmp_path, capsys):
     assert "config key 'workers.device': 'tpu' is not a torch device" in capsys.readouterr().err
 
 
+def test_config_check_builds_the_env_and_policy_as_run_does(tmp_path, capsys):
+    """An env and policy that cannot work together passed `check` and failed `run` with 78."""
+    from ingestd.service.cli import main
+
+    path = write(tmp_path, '[workers]\nenv = "Gym"\nenv_kwargs = { id = "Pendulum-v1" }\n')
+    assert main(["config", "check", str(path)]) == 78
+    err = capsys.readouterr().err
+    assert "config key 'workers.policy': the MLP policy needs a discrete action space" in err
+    assert "package.module:factory" in err  # what to do about it
+
+
 def test_overrides_apply_on_top_of_a_file_in_order(tmp_path):
     path = write(tmp_path, "[workers]\ncount = 1\nenv_kwargs = { a = 1 }\n")
     config = load_config(path, ["workers.count=3", "workers.env_kwargs.b=2", "workers.count=5"])

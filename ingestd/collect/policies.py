@@ -33,7 +33,9 @@ from ingestd.errors import ConfigError
 def _num_actions(spec: EnvSpec, who: str) -> int:
     if spec.num_actions is None or spec.action_shape != ():
         raise ConfigError("workers.policy", f"{who} needs a discrete action space (num_actions set, action_shape "
-                                            f"()); got action_shape={spec.action_shape}, num_actions={spec.num_actions}")
+                                            f"()); got action_shape={spec.action_shape}, num_actions={spec.num_actions}; "
+                                            "for continuous actions give your own policy as workers.policy = "
+                                            "\"package.module:factory\" (docs/from-torchrl.md)")
     return spec.num_actions
 
 

@@ -104,12 +104,10 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
-            from ingestd.collect.features import check_device
-            from ingestd.service.layout import check_factories
+            from ingestd.service.layout import check_buildable
 
             checked = cfg.load_config(args.file, args.overrides)
-            check_factories(checked.workers)  # as `run` does first
-            check_device(checked.workers.device)  # a device this host lacks fails `run` with 78 too
+            check_buildable(checked, cfg.resolve_paths(checked, os.environ))  # what `run` checks first
             print(f"{args.file}: ok")
             return 0
         config = cfg.load_config(args.config, args.overrides)

@@ -68,15 +68,22 @@ def worker_threads(configured: int, workers: int, cores: int | None = None) -> i
     return max(1, cores // max(1, workers))
 
 
+def check_buildable(config, paths):
+    """What ``ingestd run`` checks before it creates anything, also run by ``ingestd config
+    check``: the factories import and take their kwargs, the device exists, and the env and policy
+    build and work together (one real transition). Returns ``(example rows, policy)``."""
+    check_factories(config.workers)
+    check_device(config.workers.device)
+    probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
+    return _example_rows(probe, config.service.seed)
+
+
 def build_layout(config, paths) -> Layout:
     """Create (or reopen) every shared object before any worker exists."""
-    check_factories(config.workers)
+    example, policy = check_buildable(config, paths)
     for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
                            ("replay.path", Path(paths.replay).parent)):
         make_dir(directory, key)
-    check_device(config.workers.device)
-    probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
-    example, policy = _example_rows(probe, config.service.seed)
     storage = _open_replay(paths.replay, example, config.replay.capacity)
     stats = StatsBlock(paths.stats, create=True)
     weights = manifest = None
