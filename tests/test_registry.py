@@ -102,3 +102,25 @@ def test_make_env_errors(path, kwargs, error, message):
 
 def _wrong_size(ctx):
     return Checksum(EnvContext(num_envs=5, seed=0, worker=0, episode_base=0))
+
+
+def _create_env_fn():  # a TorchRL create_env_fn: no EnvContext argument
+    return None
+
+
+def test_a_factory_that_takes_no_context_is_blamed_on_its_key_not_its_kwargs():
+    """The message named workers.env_kwargs, which the user had not even set."""
+    import dataclasses
+
+    from ingestd.errors import ConfigError
+    from ingestd.service.config import Config
+    from ingestd.service.layout import check_factories
+
+    workers = dataclasses.replace(Config().workers, env="test_registry:_create_env_fn")
+    with pytest.raises(ConfigError, match="takes no positional argument.*create_env_fn") as err:
+        check_factories(workers)
+    assert err.value.key == "workers.env"
+    workers = dataclasses.replace(Config().workers, policy="test_registry:_create_env_fn")
+    with pytest.raises(ConfigError) as err:
+        check_factories(workers)
+    assert err.value.key == "workers.policy"

@@ -71,6 +71,11 @@ def resolve_policy(path: str) -> Callable[..., Policy]:
     return resolve(path, POLICY_ALIASES)
 
 
+class NotAFactory(ValueError):
+    """The factory itself cannot be called as ingestd calls it (not its kwargs): a config error
+    about ``workers.env`` / ``workers.policy``, not ``..._kwargs``."""
+
+
 def validate_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
     """Check ``factory(first_arg, **kwargs)`` would bind: raises ``ValueError``
     naming unknown or missing keyword arguments. Factories whose signature
@@ -83,8 +88,9 @@ def validate_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> N
     kinds = inspect.Parameter
     positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
     if not positional and not any(p.kind is kinds.VAR_POSITIONAL for p in params):
-        raise ValueError(f"{name} takes no positional argument; a factory must accept the "
-                         "EnvContext (envs) or EnvSpec (policies) first")
+        raise NotAFactory(f"{name} takes no positional argument; a factory must accept the "
+                          "EnvContext (envs) or EnvSpec (policies) first (a TorchRL create_env_fn takes none: "
+                          "wrap it, see docs/from-torchrl.md)")
     first = positional[0].name if positional else None
     named = {p.name: p for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
              and p.name != first}

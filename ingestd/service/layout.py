@@ -147,7 +147,7 @@ def check_factories(workers) -> None:
     """The env and policy import paths resolve and their kwargs bind, else a config error naming
     the key: found before anything is created, instead of in every worker that starts."""
     from ingestd.collect.features import seeded_policy_kwargs
-    from ingestd.collect.registry import resolve_env, resolve_policy, validate_kwargs
+    from ingestd.collect.registry import NotAFactory, resolve_env, resolve_policy, validate_kwargs
 
     key = "workers.env"
     try:
@@ -158,6 +158,8 @@ def check_factories(workers) -> None:
         policy = resolve_policy(workers.policy)
         key = "workers.policy_kwargs"
         validate_kwargs(policy, seeded_policy_kwargs(policy, workers.policy_kwargs, 0))  # + the worker's seed
+    except NotAFactory as exc:  # the factory named, not its kwargs
+        raise ConfigError(key.removesuffix("_kwargs"), str(exc)) from None
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
 
