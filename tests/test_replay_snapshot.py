@@ -15,6 +15,7 @@ from test_replay_concurrency import check_all_rows, children, create, ctx, wait_
 
 from ingestd.errors import BadSnapshot, SnapshotExists, StorageNotFound
 from ingestd.replay import ReplayReader, ReplayStorage, snapshot
+from ingestd.control.context import pid_alive
 from ingestd.service import cli
 
 
@@ -388,7 +389,7 @@ def test_partial_snapshots_of_dead_writers_are_removed(tmp_path):
             folder.mkdir()
             (folder / "data").write_bytes(b"x" * 100)
         (tmp_path / "kept").mkdir()  # a finished snapshot
-        removed = snapshot.remove_stale_partials(tmp_path)
+        removed = snapshot.remove_stale_partials(tmp_path, pid_alive)
         assert sorted(removed) == sorted([dead_partial, own_partial])
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_partial.name, "kept"])
     finally:

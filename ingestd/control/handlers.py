@@ -362,7 +362,7 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
     if changes:
         def change() -> None:  # in the main thread, which owns the effective config (a reload races it)
             daemon = ctx.daemon
-            config = daemon.with_live({f"limiter.{key}": value for key, value in changes.items()})
+            config = daemon.checked_with({f"limiter.{key}": value for key, value in changes.items()})
             lim.configure(dataclasses.replace(lim.params, **changes))
             daemon.adopt(config)  # `ingestctl config` shows it; a reload sets the file's values again
         try:
@@ -398,7 +398,7 @@ def snapshot(ctx: Context, request: Snapshot) -> dict:
         folder = Path(paths.data_dir) / "snapshots"
         try:
             folder.mkdir(mode=SNAPSHOTS_DIR_MODE, parents=True, exist_ok=True)
-            for stale in remove_stale_partials(folder):
+            for stale in remove_stale_partials(folder, pid_alive):
                 log.warning("removed %s, a snapshot a killed daemon left half-written", stale)
             dest = folder / (request.name or _free_name(folder, time.time()))
             info = save(paths.replay, dest)

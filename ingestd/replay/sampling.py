@@ -264,13 +264,13 @@ class Sampling:
         reader); None if there are none."""
         r = self.reader
         eligible = self._eligible(filled)
-        if self.tree is not None:
-            eligible = eligible[self.tree.levels[0][eligible] > 0]
+        if self.tree is None:
+            return (lambda m: eligible[r._draw(m, eligible.size)]) if eligible.size else None
+        leaves = self.tree.levels[0][eligible]
+        eligible, leaves = eligible[leaves > 0], leaves[leaves > 0]
         if eligible.size == 0:
             return None
-        if self.tree is None:
-            return lambda m: eligible[r._draw(m, eligible.size)]
-        cumulative = np.cumsum(self.tree.levels[0][eligible])
+        cumulative = np.cumsum(leaves)
         last = eligible.size - 1
         return lambda m: eligible[np.minimum(np.searchsorted(
             cumulative, r._rng.random(m) * cumulative[-1], side="right"), last)]

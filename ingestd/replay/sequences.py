@@ -38,6 +38,7 @@ from tensordict import TensorDict
 WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION = (("ingestd", f) for f in ("worker", "env", "episode", "step",
                                                                              "write_index", "policy_version"))
 DONE = ("next", "done")
+_FIELDS = (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE)  # what a sequence is cut and stamped by
 _SCAN_BLOCKS = (256, 4096, 65536, 1 << 20)  # rows scanned forward for a continuation, growing
 _MAX_ROUNDS = 64
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -50,14 +51,14 @@ class SequenceSampler:
     def __init__(self, reader):
         self.reader = reader
         r = reader
-        missing = [k for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE) if k not in r._layout.fields]
+        missing = [k for k in _FIELDS if k not in r._layout.fields]
         if missing:
             raise ValueError(f"sample_sequences needs the stamps and done flags the daemon's workers store; "
                              f"replay {r.path} has no {missing} (made by ReplayStorage.create with other "
                              "keys?): sample single rows from it instead")
         self._w, self._e, self._ep = r._arrays[WORKER], r._arrays[ENV], r._arrays[EPISODE]
         self._wi, self._version = r._arrays[WRITE_INDEX], r._arrays[VERSION]
-        self._fields = {k: self._field_view(k) for k in (WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION, DONE)}
+        self._fields = {k: self._field_view(k) for k in _FIELDS}
         self._runs = _Runs(self._w, self._e, r.seq, r.capacity)
         self._yield = 0.5  # the share of drawn starts that became sequences lately: sizes the next draw
 

@@ -44,6 +44,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import lz4.frame
 import numpy as np
@@ -305,31 +306,21 @@ def _read_lz4(path: Path, sizes: list[int]) -> list[bytes]:
     return out
 
 
-def remove_stale_partials(folder: Path) -> list[Path]:
+def remove_stale_partials(folder: Path, alive: Callable[[int], bool]) -> list[Path]:
     """Remove the partial snapshots a killed writer left in ``folder`` (``.<name>.partial-<pid>-<tid>``
-    of a process that is gone, or of this one, which writes one snapshot at a time and is not
-    writing now); they would fill the disk for ever. Returns what was removed."""
+    of a process ``alive`` says is gone, or of this one, which writes one snapshot at a time and is
+    not writing now); they would fill the disk for ever. Returns what was removed."""
     removed = []
     for entry in folder.glob(".*.partial-*-*"):
         match = _PARTIAL.fullmatch(entry.name)
         if match is None or not entry.is_dir():
             continue
         pid = int(match[1])
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and alive(pid):
             continue  # another process (`ingestd replay snapshot`) is writing it now
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 _PARTIAL = re.compile(r"\..+\.partial-(\d+)-(\d+)")

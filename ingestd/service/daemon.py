@@ -225,7 +225,7 @@ class Daemon:
         self.emit("config.reloaded", applied=applied, not_applied=needs_restart)
         return {"applied": applied, "not_applied": needs_restart}
 
-    def with_live(self, changes: Mapping[str, object]):
+    def checked_with(self, changes: Mapping[str, object]):
         """The running config with live ``changes`` (``{"workers.count": 4}``), checked as a config
         file would be (``ConfigError`` names the rule): for changes made over the socket."""
         return with_overrides(self.config, [f"{key}={toml_value(value)}" for key, value in changes.items()])
@@ -238,7 +238,7 @@ class Daemon:
     def scale(self, count: int) -> None:
         """Run ``count`` workers (main thread): refused like a config file asking for it, e.g. when
         the replay is too small for that many writers."""
-        config = self.with_live({"workers.count": count})
+        config = self.checked_with({"workers.count": count})
         self.supervisor.scale(count)
         self.adopt(config)
 
