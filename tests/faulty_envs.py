@@ -81,3 +81,21 @@ def failing_build(ctx, only_worker: int = -1):
     if ctx.num_envs > 1 and only_worker in (-1, ctx.worker):
         raise RuntimeError("simulated env build failure")
     return make_env("Checksum", ctx, {})
+
+
+def forking(ctx, pid_file: str = "", seconds: float = 120.0):
+    """A Checksum env whose workers fork a helper that outlives them (as a multiprocessing pool
+    or gymnasium's async vector env would), its pid appended to ``pid_file``. The helper only
+    sleeps: a forked child must not run torch ops."""
+    import os
+
+    if ctx.num_envs > 1:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(seconds)
+            finally:
+                os._exit(0)
+        with open(pid_file, "a") as f:
+            f.write(f"{pid}\n")
+    return make_env("Checksum", ctx, {})

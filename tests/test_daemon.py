@@ -279,6 +279,38 @@ def test_second_daemon_on_the_same_runtime_dir_refuses_to_start():
         assert first.stop() == 0
 
 
+def test_a_helper_an_env_forked_keeps_no_lock_or_port_of_a_killed_daemon(tmp_path):
+    """A helper process an env forked (a multiprocessing pool) outlives a SIGKILLed daemon. It
+    inherited the daemon's lock files and sockets through the worker, so the daemon could not be
+    started again until the helper exited: "another ingestd daemon is running"."""
+    import urllib.request
+
+    pid_file = tmp_path / "helpers"
+    overrides = {"workers.env": "faulty_envs:forking", "workers.env_kwargs": {"pid_file": str(pid_file)},
+                 "workers.policy": "Random", "workers.count": 1}
+    helpers: list[int] = []
+    try:
+        with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+            d.wait_ready(rows=100)
+            helpers = [int(p) for p in pid_file.read_text().split()]
+            workers = set(d.remember_children()) - set(helpers)
+            assert d.stop(signal.SIGKILL) == -signal.SIGKILL
+            wait_for(lambda: not any(pid_alive(p) for p in workers), 10, "the workers to die with the daemon")
+            assert helpers and all(pid_alive(p) for p in helpers)
+            with ReplayReader(d.replay_path) as reader:
+                count = reader.write_count
+            d.start()  # the same runtime dir, replay and metrics port
+            d.wait_ready(rows=count + 100)
+            with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as page:
+                assert b"ingestd_" in page.read()
+            assert d.stop() == 0
+            assert all(pid_alive(p) for p in helpers)  # still there: it was not the helper going away
+    finally:
+        for pid in helpers:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _args_with(daemon: DaemonProc, **settings: str) -> list[str]:
     """``daemon``'s command line with some ``--set`` values replaced (already TOML-quoted)."""
     args = daemon.args()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ingestd.collect.inherited import release_inherited
 from ingestd.collect.stats import RING, Desired, PauseReason, State, StatsBlock
 from ingestd.replay.limiter import hold_worker
 
@@ -86,6 +87,7 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _child_setup() -> None:
+    release_inherited()  # the daemon's locks and sockets: see ingestd.collect.inherited
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

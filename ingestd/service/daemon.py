@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ingestd.collect.inherited import daemon_only
 from ingestd.collect.stats import Desired, PauseReason, State
 from ingestd.errors import ConfigError, DaemonAlreadyRunning
 from ingestd.service.config import toml_value, with_overrides
@@ -305,7 +306,7 @@ def _hold(lock: Path, key: str, busy: str) -> int:
     except BlockingIOError:
         os.close(fd)
         raise DaemonAlreadyRunning(busy) from None
-    return fd
+    return daemon_only(fd)  # a worker's forked children must not keep the lock alive (collect.inherited)
 
 
 def _answering(path: str) -> bool:
