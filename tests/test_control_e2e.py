@@ -64,6 +64,29 @@ def test_ipc_socket_is_private(daemon):
         assert mode & 0o007 == 0 and mode & 0o660 == mode, oct(mode)
 
 
+def test_deleted_socket_files_are_bound_again(daemon, client):
+    """A runtime dir tidied under a running daemon (systemd-tmpfiles ageing /tmp) left it
+    reachable by nobody until restarted."""
+    from ingestd import ControlClient, DaemonUnavailable
+
+    events_path = daemon.control_address.replace("control.sock", "events.sock")[len("ipc://"):]
+    for path in (daemon.control_address[len("ipc://"):], events_path):
+        os.unlink(path)
+    wait_for(lambda: os.path.exists(events_path), 10, "the events socket file to be made again")
+
+    def answers() -> bool:
+        with ControlClient(daemon.control_address, timeout=0.5, retries=0) as fresh:
+            try:
+                return fresh.ping()["pid"] == daemon.proc.pid
+            except DaemonUnavailable:
+                return False
+    wait_for(answers, 10, "a new client to reach the daemon")
+    test_ipc_socket_is_private(daemon)
+    with EventStream.of(client) as events:
+        until_subscribed(client, events)
+    assert "binding it again" in daemon.log()
+
+
 def test_pause_stops_writes_and_resume_loses_no_frame(daemon, client):
     before = write_count(client)
     time.sleep(0.1)

@@ -37,8 +37,6 @@ def ping(ctx: Context, request: Ping) -> dict:
                 ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes).to_json()  # control: not reloadable
 
 
-
-
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
     """Every worker's status, read straight from the shared stats records."""
     reader = ctx.record_reader()

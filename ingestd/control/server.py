@@ -48,6 +48,7 @@ RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbo
 STATUS_MAX_AGE_S = 0.005  # a status result is reused this long at most (docs/protocol.md, "status")
 STOP_JOIN_S = 5.0
 STOP_LINGER_MS = 500  # at stop, how long the last replies may take to leave
+SOCKET_FILE_CHECK_S = 2.0  # how often the ipc socket files are looked at (deleted ones are bound again)
 INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
 
 
@@ -106,6 +107,8 @@ class ControlServer:
         self._event_seq = 0
         self._applied: dict[int, int] = {}
         self._files: list[str] = []
+        self._ipc: list[list] = []  # [socket, address, path, (device, inode) of its file when bound]
+        self._next_file_check = 0.0
 
     # -- lifecycle (main thread) -------------------------------------------------------
     def start(self, daemon) -> None:
@@ -158,6 +161,7 @@ class ControlServer:
             raise ConfigError(key, f"cannot bind {address}: {exc}") from None
         if (path := socket_file(address)) is not None:
             self._files.append(path)
+            self._ipc.append([sock, address, path, _identity(path)])
         return sock
 
     def _on_daemon_event(self, kind: str, **fields: Any) -> None:
@@ -354,6 +358,9 @@ class ControlServer:
             pass  # best-effort: state stays queryable over the ROUTER
 
     def _housekeeping(self, now: float) -> None:
+        if now >= self._next_file_check:
+            self._next_file_check = now + SOCKET_FILE_CHECK_S
+            self._rebind_lost_files()
         daemon = self.ctx.daemon
         if daemon.layout is None or daemon.supervisor is None:
             return
@@ -367,6 +374,34 @@ class ControlServer:
                 self._send_event("weights.applied", {"worker": index, "version": version})
             self._applied[index] = version
         self.ctx.rates.sample(now, frames)
+
+
+    def _rebind_lost_files(self) -> None:
+        """Bind again an ipc socket whose file was deleted or replaced (``systemd-tmpfiles`` ageing
+        /tmp, an operator tidying the runtime dir): nobody could connect to the daemon any more."""
+        for entry in self._ipc:
+            sock, address, path, identity = entry
+            if identity is None or _identity(path) == identity:
+                continue
+            log.warning("control: the socket file %s was deleted or replaced; binding it again", path)
+            try:
+                try:
+                    sock.unbind(address)
+                except zmq.ZMQError:
+                    pass
+                bind_private(sock, address)
+                entry[3] = _identity(path)
+            except (zmq.ZMQError, OSError) as exc:
+                entry[3] = None  # said once; a daemon there now keeps it
+                log.error("control: cannot bind %s again (%s); restart the daemon to control it there", address, exc)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 # Plain ints: pyzmq's flag enums cost a microsecond per operation, and each request made several.
