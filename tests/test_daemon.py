@@ -476,8 +476,10 @@ def test_a_restarted_daemon_keeps_its_weight_store_and_versions_stay_monotonic()
             assert pushed == first + 1
             assert d.stop() == 0
         trainer = WeightStore.attach(weights_path)  # mapped across the restart
+        with ReplayReader(root / "data" / "replay") as reader:
+            written = reader.write_count
         with DaemonProc(overrides=dirs) as d:
-            d.wait_ready(rows=1)
+            d.wait_ready(rows=written + 1)  # rows of this daemon: it is up (the replay has the first one's)
             assert trainer.version == pushed
             with ControlClient(address) as ctl:
                 again = ctl.push_weights(state, wait=True)

@@ -228,7 +228,7 @@ class ReplayReader(MappedStore):
             return self._assemble(records, columns, n, extra)
         batch, blocks, _ = into
         for block, rows in zip(blocks, self._group_rows(records, n)):
-            np.copyto(block, rows.swapaxes(0, 1))
+            np.copyto(block.swapaxes(0, 1), rows)  # in the records' order: several times faster than the block's
         for key, value in (extra or {}).items():
             batch.get(key).copy_(value)
         return batch
@@ -315,7 +315,9 @@ class ReplayReader(MappedStore):
         with leading dimension ``n``), set as the tree is built (cheaper than setting them after)."""
         flat: list[torch.Tensor] = []
         for rows in self._group_rows(records, n):  # -> contiguous (leaves, n, *shape), one leaf each
-            flat.extend(torch.from_numpy(rows.swapaxes(0, 1).copy()).unbind(0))
+            block = np.empty((rows.shape[1], n, *rows.shape[2:]), rows.dtype)
+            np.copyto(block.swapaxes(0, 1), rows)  # in the records' order: several times faster than the block's
+            flat.extend(torch.from_numpy(block).unbind(0))
         flat.extend(columns)
         if extra:
             flat.extend(extra.values())
