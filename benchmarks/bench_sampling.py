@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ingestd.collect.envs import CartPole
-from ingestd.collect.interfaces import EnvContext
+from ingestd.collect.interfaces import EnvContext, episode_base_of
 from ingestd.collect.policies import Random
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.worker import WORKER_NICE
@@ -38,8 +38,9 @@ TARGETS = {"prioritized_sample_256_per_s": 5000,  # issue #8: prioritized sample
 
 
 def rollout(worker: int) -> Rollout:
-    env = CartPole(EnvContext(num_envs=NUM_ENVS, seed=worker, worker=worker, episode_base=worker << 32, device="cpu"))
-    return Rollout(env, Random(env.spec, seed=worker), worker, worker << 32, CHUNK)
+    env = CartPole(EnvContext(num_envs=NUM_ENVS, seed=worker, worker=worker, episode_base=episode_base_of(worker),
+                              device="cpu"))
+    return Rollout(env, Random(env.spec, seed=worker), worker, episode_base_of(worker), CHUNK)
 
 
 def writer(path: str, worker: int, stop, nice: int) -> None:

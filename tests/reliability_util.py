@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ingestd.replay.layout import EPISODE_BITS
+
 TESTS = Path(__file__).resolve().parent
 PLUGIN_ENV = {"PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -261,7 +263,8 @@ def check_integrity(stored: Stored) -> dict:
     w, e, ep, st = (rows.get(("ingestd", k)).numpy() for k in ("worker", "env", "episode", "step"))
     done = rows.get(("next", "done")).reshape(n).numpy()
     duplicates = n - np.unique(np.stack([w, e, ep, st], 1), axis=0).shape[0]
-    inc = ep >> 32
+    inc = ep >> EPISODE_BITS
+    width = int(e.max()) + 1  # num_envs: sub-env e's episodes are (inc << EPISODE_BITS) + e + k * num_envs
     pairs = np.unique(np.stack([inc, w], 1), axis=0)
     assert np.unique(pairs[:, 0]).size == pairs.shape[0], "one incarnation wrote as two workers"
 
@@ -270,13 +273,13 @@ def check_integrity(stored: Stored) -> dict:
     same_stream = (w[1:] == w[:-1]) & (e[1:] == e[:-1])
     a, b = slice(None, -1), slice(1, None)
     next_step = ~done[a] & (ep[b] == ep[a]) & (st[b] == st[a] + 1)
-    next_episode = done[a] & (ep[b] == ep[a] + 1) & (st[b] == 0)
-    new_incarnation = (inc[b] > inc[a]) & (ep[b] == inc[b] << 32) & (st[b] == 0)
+    next_episode = done[a] & (ep[b] == ep[a] + width) & (st[b] == 0)
+    new_incarnation = (inc[b] > inc[a]) & (ep[b] == (inc[b] << EPISODE_BITS) + e[b]) & (st[b] == 0)
     follows = np.where(inc[b] == inc[a], next_step | next_episode, new_incarnation)
     breaks = int((same_stream & ~follows).sum())
     if not stored.wrapped:
         first = np.concatenate([[True], ~same_stream])
-        breaks += int(((ep[first] != inc[first] << 32) | (st[first] != 0)).sum())
+        breaks += int(((ep[first] != (inc[first] << EPISODE_BITS) + e[first]) | (st[first] != 0)).sum())
     assert torn == 0, f"{torn} of {n} stored rows do not verify (torn or foreign rows)"
     assert duplicates == 0, f"{duplicates} (worker, env, episode, step) stamps are stored twice"
     assert breaks == 0, f"{breaks} rows do not continue their (worker, env) stream (a step lost or repeated)"

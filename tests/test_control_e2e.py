@@ -109,12 +109,13 @@ def assert_contiguous(rows) -> None:
     w, e = rows.get(("ingestd", "worker")), rows.get(("ingestd", "env"))
     episode, step = rows.get(("ingestd", "episode")), rows.get(("ingestd", "step"))
     done = rows.get(("next", "done")).reshape(-1)
+    width = int(e.max()) + 1  # num_envs: a sub-env's next episode id is that much further
     checked = 0
     for worker in w.unique().tolist():
         for env in e.unique().tolist():
             idx = ((w == worker) & (e == env)).nonzero().squeeze(-1)
             a, b = idx[:-1], idx[1:]
-            follows = torch.where(done[a], (episode[b] == episode[a] + 1) & (step[b] == 0),
+            follows = torch.where(done[a], (episode[b] == episode[a] + width) & (step[b] == 0),
                                   (episode[b] == episode[a]) & (step[b] == step[a] + 1))
             assert bool(follows.all()), f"worker {worker} env {env}: a step is missing or repeated"
             checked += len(a)

@@ -184,11 +184,11 @@ def test_gym_without_gymnasium_says_how_to_install(monkeypatch):
 
 # -- Checksum ----------------------------------------------------------------------------
 def worker_rows(num_envs=6, worker=3, episode_base=1000, steps=150) -> TensorDict:
-    """Rows as a worker stamps them: episode +1 on done, step back to 0."""
+    """Rows as a worker stamps them: episode + num_envs on done, step back to 0."""
     env = Checksum(ctx(num_envs=num_envs, worker=worker, episode_base=episode_base))
     policy = Random(env.spec, seed=0)
     stamps = {"worker": torch.full((num_envs,), worker), "env": torch.arange(num_envs),
-              "episode": torch.full((num_envs,), episode_base), "step": torch.zeros(num_envs, dtype=torch.int64)}
+              "episode": episode_base + torch.arange(num_envs), "step": torch.zeros(num_envs, dtype=torch.int64)}
     root, rows = env.reset(), []
     for _ in range(steps):
         for field, value in stamps.items():
@@ -196,7 +196,7 @@ def worker_rows(num_envs=6, worker=3, episode_base=1000, steps=150) -> TensorDic
         transition, root = env.step_and_maybe_reset(policy(root))
         rows.append(transition.clone())
         done = transition["next", "done"].view(-1)
-        stamps["episode"] = stamps["episode"] + done
+        stamps["episode"] = stamps["episode"] + done * num_envs
         stamps["step"] = torch.where(done, 0, stamps["step"] + 1)
     return torch.cat(rows)
 
@@ -265,8 +265,8 @@ def test_checksum_hash_is_splitmix64():
 
 def test_checksum_full_reset_starts_new_episodes():
     env = Checksum(ctx(num_envs=2, episode_base=10))
-    assert env.reset()["observation"][:, 2].tolist() == [10, 10]
-    assert env.reset()["observation"][:, 2].tolist() == [11, 11]
+    assert env.reset()["observation"][:, 2].tolist() == [10, 11]  # sub-env i: episode_base + i
+    assert env.reset()["observation"][:, 2].tolist() == [12, 13]  # then + num_envs each
 
 
 # -- Pixels --------------------------------------------------------------------------------

@@ -152,6 +152,31 @@ def test_samples_are_counted_only_while_enabled(shm_dir):
         lim.close()
 
 
+def test_forked_copies_of_one_handle_exclude_each_other(shm_dir):
+    """A flock belongs to the open file, which fork shares: DataLoader workers sampling through
+    one inherited reader counted their samples without excluding each other, and lost some."""
+    per_child, children = 20_000, 2
+    with store_with(shm_dir / "r", n=100) as store:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        lim.configure(LimiterParams(True, 0, 1.0, -1e15, 1e15))
+        pids = []
+        for _ in range(children):
+            pid = os.fork()
+            if pid == 0:  # numpy and fcntl only: no torch op in a forked child
+                try:
+                    for _ in range(per_child):
+                        lim.count_samples(1)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+        for _ in range(per_child):
+            lim.count_samples(1)
+        for pid in pids:
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert lim.samples == (children + 1) * per_child
+        lim.close()
+
+
 def test_metrics_follow_a_reopened_storage(shm_dir):
     """The metrics read the storage handle they are given, not one closed since (a daemon
     started again in the same process, on the same path)."""

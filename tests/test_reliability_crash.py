@@ -16,7 +16,7 @@ from control_daemon import shared_paused, wait_collecting
 from daemon_proc import DaemonProc
 from ingestd import ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
-from ingestd.collect.interfaces import EnvContext
+from ingestd.collect.interfaces import EnvContext, episode_base_of
 from ingestd.collect.registry import make_env, make_policy
 from ingestd.collect.rollout import Rollout
 from ingestd.errors import CommandFailed
@@ -204,8 +204,8 @@ def test_integrity_check_catches_corruption(shm_dir, case):
     example, _ = Rollout(env, make_policy("Random", env.spec), 3, 0, 1).chunk(1)
     storage = ReplayStorage.create(shm_dir / "r", example, 10_000)
     inc = storage.next_incarnation()
-    env = make_env("Checksum", EnvContext(num_envs=4, seed=0, worker=3, episode_base=inc << 32))
-    rollout = Rollout(env, make_policy("Random", env.spec), 3, inc << 32, 8)
+    env = make_env("Checksum", EnvContext(num_envs=4, seed=0, worker=3, episode_base=episode_base_of(inc)))
+    rollout = Rollout(env, make_policy("Random", env.spec), 3, episode_base_of(inc), 8)
     try:
         for k in range(6):
             if k == 3 and case is not None:

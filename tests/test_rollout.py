@@ -118,7 +118,7 @@ def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout):
     if DONE_LAYOUTS[layout] is not None:
         env = DoneAs(env, DONE_LAYOUTS[layout])
     rollout = Rollout(env, Random(env.spec, seed=1), 2, base, steps)
-    ret, step, episode = [0.0] * envs, [0] * envs, [base] * envs
+    ret, step, episode = [0.0] * envs, [0] * envs, [base + i for i in range(envs)]
     total_finished = 0
     for version in range(6):
         rows, finished = rollout.chunk(version)
@@ -134,7 +134,26 @@ def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout):
                 if bool(row["next", "done"].any()):
                     returns.append(ret[i])
                     lengths.append(step[i])
-                    ret[i], step[i], episode[i] = 0.0, 0, episode[i] + 1
+                    ret[i], step[i], episode[i] = 0.0, 0, episode[i] + envs
         assert (finished.returns, finished.lengths) == (returns, lengths)  # exactly
         total_finished += len(returns)
     assert total_finished > 10
+
+
+def test_episode_ids_are_unique_over_sub_envs_workers_and_incarnations():
+    """Each sub-env numbered its episodes from the same base: 8 sub-envs shared one id, and a
+    trainer grouping rows by episode (TorchRL's traj_ids) merged different episodes."""
+    from ingestd.collect.envs.checksum import Checksum
+    from ingestd.collect.interfaces import episode_base_of
+
+    owners: dict[int, set] = {}
+    for worker, incarnation in ((0, 1), (1, 2), (0, 3)):  # worker 0 restarted as incarnation 3
+        base = episode_base_of(incarnation)
+        env = Checksum(EnvContext(num_envs=ENVS, seed=incarnation, worker=worker, episode_base=base))
+        rollout = Rollout(env, Random(env.spec, seed=0), worker, base, STEPS)
+        for _ in range(30):  # Checksum episodes last 3..40 steps: many end per sub-env
+            rows, _ = rollout.chunk(0)
+            for episode, env_index in zip(rows["ingestd", "episode"].tolist(), rows["ingestd", "env"].tolist()):
+                owners.setdefault(episode, set()).add((incarnation, env_index))
+    assert len(owners) > 3 * ENVS * 2  # several episodes per sub-env
+    assert all(len(o) == 1 for o in owners.values()), "an episode id was used by two sub-envs"

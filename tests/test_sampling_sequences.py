@@ -26,7 +26,8 @@ def fill(path, capacity, chunks, workers=2, num_envs=4, chunk_steps=5, order=Non
     return store
 
 
-def check_sequences(td, cross: bool):
+def check_sequences(td, cross: bool, num_envs: int = 4):
+    """``num_envs``: a sub-env's next episode id is that much further."""
     b, length = td.batch_size
     flat = td.reshape(-1)
     assert verify_rows(flat).all()
@@ -37,7 +38,7 @@ def check_sequences(td, cross: bool):
     done = td.get(("next", "done")).reshape(b, length)
     cont = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
     if cross:
-        cont |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
+        cont |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + num_envs) & (step[:, 1:] == 0)
     else:
         assert not done[:, :-1].any()
     assert cont.all()
@@ -72,8 +73,8 @@ def test_wrapped_ring_and_overwritten_rows(shm_dir):
 def test_a_single_worker_and_one_env(shm_dir):
     with fill(shm_dir / "r", capacity=1000, chunks=60, workers=1, num_envs=1, chunk_steps=7) as store, \
             ReplayReader(store.path, seed=3) as r:
-        check_sequences(r.sample_sequences(16, 3), False)
-        check_sequences(r.sample_sequences(16, 20, cross_episodes=True), True)
+        check_sequences(r.sample_sequences(16, 3), False, num_envs=1)
+        check_sequences(r.sample_sequences(16, 20, cross_episodes=True), True, num_envs=1)
 
 
 def test_never_a_slot_overwritten_mid_sequence(shm_dir):
@@ -194,7 +195,7 @@ def test_sequences_of_n_step_rows_reach_episode_ends_and_cross_them(shm_dir):
             assert (g("write_index")[:, 1:] > g("write_index")[:, :-1]).all()
             assert (td.get("observation") == torch.stack((worker, env, episode, step), -1)).all()  # rows intact
             same = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
-            crossed = (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
+            crossed = (episode[:, 1:] == episode[:, :-1] + num_envs) & (step[:, 1:] == 0)
             done = td.get(("next", "done")).reshape(32, length)[:, :-1]
             assert (same | (crossed & done)).all() and (crossed.any() if cross else not crossed.any())
             assert done.any()  # the steps near an episode's end are in sequences

@@ -18,6 +18,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
+from ingestd.replay.layout import EPISODE_BITS
+
+
+def episode_base_of(incarnation: int) -> int:
+    """The first episode id of a worker incarnation (its sub-envs count on from there)."""
+    return incarnation << EPISODE_BITS  # see ingestd.replay.layout
+
 
 @dataclass(frozen=True)
 class EnvContext:
@@ -26,7 +33,9 @@ class EnvContext:
     num_envs: int
     seed: int  # distinct per worker incarnation and stable for a given config seed
     worker: int  # worker index (0..N-1)
-    episode_base: int  # first episode id this worker uses; ids never repeat across restarts
+    # sub-env i's k-th episode has id episode_base + i + k * num_envs: unique among all the
+    # workers' sub-envs and, with episode_base = episode_base_of(incarnation), across restarts
+    episode_base: int
     device: str = "cpu"
 
 

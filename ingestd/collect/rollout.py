@@ -77,7 +77,8 @@ class Rollout:
         self.env, self.policy, self.chunk_steps = env, policy, chunk_steps
         self._n = n
         # carried from chunk to chunk: the state of the step about to be taken
-        self._episode = np.full(n, episode_base, dtype=np.int64)
+        # sub-env i's episodes are episode_base + i, then + num_envs per finished episode: unique ids
+        self._episode = episode_base + np.arange(n, dtype=np.int64)
         self._step = np.zeros(n, dtype=np.int64)
         self._return = np.zeros(n, dtype=np.float64)
         # the stamps of a whole chunk, one [T, B] int64 buffer per field
@@ -140,7 +141,7 @@ class Rollout:
             dones.append(done)
             if t + 1 < steps:  # the next step's stamps: a new episode where this one ended
                 torch.add(step[t], 1, out=step[t + 1]).masked_fill_(done, 0)
-                torch.add(episode[t], done, out=episode[t + 1])
+                torch.add(episode[t], done, alpha=self._n, out=episode[t + 1])
         self._root = root
         torch.stack(dones, out=self._dones)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
@@ -243,7 +244,7 @@ class Rollout:
         last = done[-1]
         self._return = np.where(last, 0.0, ret[-1])
         self._step = np.where(last, 0, step[-1] + 1)
-        self._episode = self._episode_np[-1] + last
+        self._episode = self._episode_np[-1] + last * self._n
         return finished
 
 

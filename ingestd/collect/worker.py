@@ -112,6 +112,7 @@ class Worker:
         import torch
 
         from ingestd.collect.features import ChunkExtras, component_seeds, keepalive
+        from ingestd.collect.interfaces import episode_base_of
         from ingestd.collect.rollout import Rollout
         from ingestd.replay.storage import ReplayStorage
 
@@ -134,11 +135,12 @@ class Worker:
         np.random.seed(seeds.numpy)
         log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
         with keepalive(self._beat):  # building an env can take longer than the heartbeat timeout
-            env, policy = build_env_and_policy(spec, seed, incarnation << 32)
+            env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
         self.extras = ChunkExtras(spec, env, policy, seeds, rec)
-        rollout = Rollout(self.extras.env, self.extras.acting, spec.index, incarnation << 32, spec.chunk_steps)
+        rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
+                          spec.chunk_steps)
         try:
             self._loop(rollout, storage, weights, policy)
         finally:

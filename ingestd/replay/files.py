@@ -251,6 +251,40 @@ _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 
 
+_LOCK_FILES: dict[int, str] = {}  # descriptor -> path of the files opened with open_lock_file
+
+
+def open_lock_file(path, flags: int = os.O_RDWR, mode: int = 0o666) -> int:
+    """Open a file this process locks through (``flocked``, slot locks). A forked child opens
+    it again on the same descriptor number (:func:`_reopen_lock_files`)."""
+    fd = os.open(path, flags, mode)
+    _LOCK_FILES[fd] = os.fspath(path)
+    return fd
+
+
+def close_lock_file(fd: int) -> None:
+    _LOCK_FILES.pop(fd, None)
+    os.close(fd)
+
+
+def _reopen_lock_files() -> None:
+    """In a forked child: ``flock`` and open-file-description locks belong to the open file,
+    which a fork shares, so a parent and its forked children (DataLoader workers sampling
+    through one reader) would not exclude each other: limiter counts were lost. Each lock
+    file is opened anew, on the same descriptor number (a file gone since keeps the shared
+    description)."""
+    for fd, path in list(_LOCK_FILES.items()):
+        try:
+            fresh = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        os.dup2(fresh, fd, inheritable=False)
+        os.close(fresh)
+
+
+os.register_at_fork(after_in_child=_reopen_lock_files)
+
+
 @contextmanager
 def flocked(fd: int) -> Iterator[None]:
     """An exclusive ``flock`` on ``fd`` for the block (the kernel drops it if the holder dies)."""

@@ -24,6 +24,9 @@ STAMP_KEYS: tuple[Key, ...] = tuple(("ingestd", f) for f in STAMP_FIELDS)
 WRITE_INDEX: Key = ("ingestd", "write_index")
 POLICY_VERSION: Key = ("ingestd", "policy_version")
 FLAG_FIELDS = ("done", "terminated", "truncated")
+# episode ids: sub-env i of a worker incarnation numbers its episodes (incarnation << EPISODE_BITS)
+# + i + k * num_envs, k = 0, 1, ...: unique over every sub-env, worker and restart of a storage
+EPISODE_BITS = 40
 
 _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,

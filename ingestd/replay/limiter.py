@@ -119,11 +119,11 @@ class Limiter:
     def __init__(self, path: Path, inserts: Callable[[], int] | None = None):
         self.path = Path(path)
         self._inserts = inserts or _header_write_count(self.path)  # first: it may fail
-        self._fd = os.open(self.path / FILE, os.O_RDWR)
+        self._fd = files.open_lock_file(self.path / FILE)
         try:
             self._mm = mmap.mmap(self._fd, 8 * WORDS, flags=mmap.MAP_SHARED)
         except BaseException:
-            os.close(self._fd)
+            files.close_lock_file(self._fd)
             raise
         self._i = np.frombuffer(self._mm, dtype=np.int64)
         self._f = np.frombuffer(self._mm, dtype=np.float64)
@@ -256,7 +256,7 @@ class Limiter:
         self._i = self._f = None
         files.unmap(self._mm)
         self._mm = None
-        os.close(self._fd)
+        files.close_lock_file(self._fd)
 
 
 def _header_write_count(path: Path) -> Callable[[], int]:

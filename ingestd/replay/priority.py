@@ -107,7 +107,7 @@ class PriorityTree:
         self._top_t = torch.from_numpy(self.levels[self._top])
         self._prefix_t = torch.zeros(sizes[self._top] + 1, dtype=torch.float64)  # 0, then the top's prefix sums
         self._prefix = self._prefix_t.numpy()
-        self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        self._lock_fd = files.open_lock_file(self.path / LOCK, os.O_RDWR | os.O_CREAT)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -234,7 +234,7 @@ class PriorityTree:
     def close(self) -> None:
         if self._mm is None:
             return
-        os.close(self._lock_fd)
+        files.close_lock_file(self._lock_fd)
         self.levels = self._blocks = []
         self._top_t = None
         self._header = self._max = None

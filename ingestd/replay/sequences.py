@@ -24,7 +24,7 @@ verified *on the copied rows*: each row's ``write_index`` stamp is the one the
 search found (no slot was overwritten mid-sequence), worker and env are
 constant, and each step follows the previous one (same episode and step + 1,
 or, only with ``cross_episodes=True``, the previous row was ``done`` and this
-is step 0 of the next episode). Sequences failing any check are drawn again.
+is step 0 of a later episode of the same worker incarnation). Sequences failing any check are drawn again.
 Starts are drawn uniformly over the stored rows, so a sequence that cannot be
 completed (too close to the newest row, or, without crossing, to its episode's
 end) is re-drawn: short episodes are less likely to be sampled from, as in
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 from tensordict import TensorDict
+
+from ingestd.replay.layout import EPISODE_BITS
 
 WORKER, ENV, EPISODE, STEP, WRITE_INDEX, VERSION = (("ingestd", f) for f in ("worker", "env", "episode", "step",
                                                                              "write_index", "policy_version"))
@@ -199,8 +201,10 @@ class SequenceSampler:
         # not "& ~done": an n-step row is done when its episode ended within its window, which
         # may be before the episode's last step (ingestd.collect.nstep); the stamps decide
         same = (episode[:, 1:] == episode[:, :-1]) & (step[:, 1:] == step[:, :-1] + 1)
-        if cross:
-            same |= done[:, :-1] & (episode[:, 1:] == episode[:, :-1] + 1) & (step[:, 1:] == 0)
+        if cross:  # the next episode of the same worker incarnation (its ids go up by num_envs)
+            later = (episode[:, 1:] > episode[:, :-1]) & (
+                episode[:, 1:] >> EPISODE_BITS == episode[:, :-1] >> EPISODE_BITS)
+            same |= done[:, :-1] & later & (step[:, 1:] == 0)
         ok &= same.all(1)
         if min_version is not None:
             ok &= (f[VERSION](records).reshape(shape) >= min_version).all(1)

@@ -129,7 +129,7 @@ class ReplayStorage(MappedStore):
     def __init__(self, path: str | os.PathLike):
         super().__init__(path, writable=True)
         try:
-            self._lock_fd = os.open(self.path / "lock", os.O_RDWR)
+            self._lock_fd = files.open_lock_file(self.path / "lock")
         except FileNotFoundError:
             super().close()
             raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
@@ -138,7 +138,7 @@ class ReplayStorage(MappedStore):
             self._priorities = PriorityTree.attach(self.path, self.capacity, self.seq)
             limiter.ensure_file(self.path)  # the rate limiter's shared words (ingestd.replay.limiter)
         except BaseException:
-            os.close(self._lock_fd)
+            files.close_lock_file(self._lock_fd)
             super().close()
             raise
         self._expected = {k: (leaf.shape, leaf.dtype) for k, leaf in self.schema.items() if k != WRITE_INDEX}
@@ -387,7 +387,7 @@ class ReplayStorage(MappedStore):
 
     def close(self) -> None:
         if not self._closed:
-            os.close(self._lock_fd)
+            files.close_lock_file(self._lock_fd)
             self._priorities.close()
         super().close()
 

@@ -10,11 +10,11 @@ worker ``w``:
 - the episode lasts ``L(w, i, e)`` in ``[3, 40]`` steps and ends *terminated* or
   *truncated* as the episode hash decides; ``done`` exactly at ``s + 1 == L``.
 
-The env keeps its own ``(e, s)`` counters: episode ids start at
-``ctx.episode_base`` and go up by one per finished episode, exactly as the
-worker's ``("ingestd", ...)`` stamps must, so ``verify_rows`` also checks the
-worker's stamping. A second ``reset()`` abandons the running episodes and
-starts episode ``e + 1`` everywhere. The action is ignored (2 discrete
+The env keeps its own ``(e, s)`` counters: sub-env ``i``'s episode ids start at
+``ctx.episode_base + i`` and go up by ``num_envs`` per finished episode, exactly
+as the worker's ``("ingestd", ...)`` stamps must, so ``verify_rows`` also checks
+the worker's stamping. A second ``reset()`` abandons the running episodes and
+starts episode ``e + num_envs`` everywhere. The action is ignored (2 discrete
 actions; ``verify_rows`` only checks it is one of them).
 
 Hashes are splitmix64 on int64 tensors (wrapping multiply, masked shifts),
@@ -87,7 +87,7 @@ class Checksum(TorchEnv):
         n, dev = ctx.num_envs, self.device
         self._worker = torch.full((n,), ctx.worker, dtype=torch.int64, device=dev)
         self._env = torch.arange(n, dtype=torch.int64, device=dev)
-        self._episode = torch.full((n,), ctx.episode_base, dtype=torch.int64, device=dev)
+        self._episode = ctx.episode_base + torch.arange(n, dtype=torch.int64, device=dev)
         self._step_index = torch.zeros(n, dtype=torch.int64, device=dev)
         self._started = False
         self._new_episodes()
@@ -98,11 +98,11 @@ class Checksum(TorchEnv):
 
     def _reset(self, mask: torch.Tensor | None) -> torch.Tensor:
         if mask is None:  # a full reset abandons running episodes: each gets a new id
-            self._episode = self._episode + int(self._started)
+            self._episode = self._episode + self.num_envs * int(self._started)
             self._step_index = torch.zeros_like(self._step_index)
             self._started = True
         else:
-            self._episode = self._episode + mask.to(torch.int64)
+            self._episode = self._episode + mask.to(torch.int64) * self.num_envs
             self._step_index = self._step_index.masked_fill(mask, 0)
         self._new_episodes()
         return self._tuple(self._step_index)
