@@ -7,7 +7,7 @@ import pytest
 import torch
 from sampling_rows import checksum_rollouts, example_rows, rows
 
-from ingestd.errors import EmptyReplay
+from ingestd.errors import EmptyReplay, StorageNotFound
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.weights.store import WeightStore
 from ingestd.weights.wire import manifest_of
@@ -74,6 +74,15 @@ def test_weights_path_gives_the_version(shm_dir):
             assert (r.sample(64).get(PV) >= 8).all()
             ws.publish(state, version=9)
             assert (r.sample(64).get(PV) == 9).all()
+
+
+def test_the_runtime_dir_given_as_weights_path_says_which_file(shm_dir):
+    """It said "has only 140 bytes; it is not a weight store"."""
+    state = {"w": torch.zeros(3)}
+    with WeightStore.create(shm_dir / "weights", manifest_of(state)) as ws, versions_store(shm_dir / "r") as store:
+        ws.publish(state, version=1)
+        with pytest.raises(StorageNotFound, match=r"is a directory.*did you mean '.*/weights'"):
+            ReplayReader(store.path, max_policy_lag=0, weights_path=shm_dir)
 
 
 def test_lag_needs_a_version_source(shm_dir):

@@ -258,3 +258,14 @@ def test_decompression_bomb_is_rejected_cheaply(store_size, monkeypatch):
     finally:
         tracemalloc.stop()
     assert sum(produced) <= 8 + 1 and peak < 1 << 20, (sum(produced), peak)
+
+
+def test_a_compiled_module_travels_under_its_own_names():
+    """A trainer pushing its torch.compile'd Q-net was refused: '_orig_mod.0.weight' is unknown."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    compiled = torch.compile(net)  # compiles lazily: nothing is compiled until it is called
+    want = [entry.name for entry in manifest_of(net).entries]
+    assert [entry.name for entry in manifest_of(compiled).entries] == want
+    assert [entry.name for entry in manifest_of(compiled.state_dict()).entries] == want
+    state = decode(encode(compiled))
+    assert list(state) == want and all(torch.equal(state[k], v) for k, v in net.state_dict().items())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Mapping
@@ -167,7 +168,12 @@ class WeightStore:
                                   "<runtime_dir>/weights only for a policy with weights: the Random policy has "
                                   "none, and its rows all carry version 0)") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                hint = f"; did you mean {str(path / 'weights')!r}?" if (path / "weights").is_file() else ""
+                raise StorageNotFound(f"{str(path)!r} is a directory, not a weight store: pass the file "
+                                      f"<runtime_dir>/weights{hint}")
+            size = st.st_size
             if size < 2 * PAGE:
                 raise CorruptStorage(f"{path} has only {size} bytes; it is not a weight store")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)

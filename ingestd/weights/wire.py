@@ -216,12 +216,21 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise BadWeights(f"dtype {dtype} cannot travel as weights; use one of {sorted(_DTYPES)}") from None
 
 
+_COMPILED = "_orig_mod."  # the prefix torch.compile's wrapper puts on a module's state dict names
+
+
 def tensors_of(state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict as detached, contiguous CPU tensors; ``BadWeights`` for anything else."""
+    """The state dict as detached, contiguous CPU tensors; ``BadWeights`` for anything else.
+
+    A ``torch.compile``d module (or its state dict, every name prefixed ``_orig_mod.``) gives
+    the names of the module it wraps: the policy's."""
     if isinstance(state, torch.nn.Module):
-        state = state.state_dict()
+        inner = getattr(state, "_orig_mod", None)
+        state = (inner if isinstance(inner, torch.nn.Module) else state).state_dict()
     if not isinstance(state, Mapping):
         raise BadWeights(f"expected an nn.Module or a mapping of name -> tensor, got {type(state).__name__}")
+    if state and all(isinstance(name, str) and name.startswith(_COMPILED) for name in state):
+        state = {name[len(_COMPILED):]: value for name, value in state.items()}
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         if not isinstance(name, str) or not name:
