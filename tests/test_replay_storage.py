@@ -499,6 +499,23 @@ def test_a_forked_reader_draws_its_own_slots(shm_dir):
             assert len(child) == 64 * 8 and not np.array_equal(np.frombuffer(child, np.int64), parent)
 
 
+def test_a_pickled_reader_attaches_again_with_its_options_and_its_own_draws(shm_dir):
+    """DataLoader workers under spawn/forkserver got "cannot pickle 'mmap.mmap' object"."""
+    import pickle
+
+    with PayloadStorage.create(shm_dir / "r", rp.spec("cartpole"), 512) as store:
+        store.write(rp.template(store.schema, 512))
+        with ReplayReader(store.path, seed=3, sampler="prioritized", alpha=0.7, rate_limited=False) as r:
+            with pickle.loads(pickle.dumps(r)) as copy:
+                assert copy is not r and copy.path == r.path and copy.capacity == r.capacity
+                assert copy._sampling.sampler == "prioritized" and copy._sampling.alpha == 0.7
+                assert copy._sampling.limiter is None
+                mine, theirs = (x.sample(64).get(WRITE_INDEX).numpy() for x in (r, copy))
+                assert not np.array_equal(mine, theirs)  # a seed of its own, not the original's
+        with pytest.raises(ClosedError):
+            pickle.dumps(r)
+
+
 def test_reader_given_the_daemons_data_dir_names_its_replay_subdirectory(shm_dir):
     """replay.path defaults to <data_dir>/replay: a reader given the data dir says where the replay is."""
     data_dir = shm_dir / "state"

@@ -54,7 +54,8 @@ class ReplayReader(MappedStore):
 
     One reader per thread: a reader keeps its own random state. A reader inherited through
     ``fork`` (DataLoader workers) is reseeded from OS entropy in the child, so children do
-    not repeat their parent's draws (nor each other's)."""
+    not repeat their parent's draws (nor each other's); a pickled one (``spawn``) attaches
+    again by path, with its own seed too."""
 
     def __init__(self, path: str | os.PathLike, seed: int | None = None, *, sampler: str = "uniform",
                  alpha: float = 0.6, beta: float = 0.4, max_policy_lag: int | None = None,
@@ -82,6 +83,9 @@ class ReplayReader(MappedStore):
             raise StorageNotFound(f"{exc}; did you mean {str(inner)!r}?") from None
         self._next_attach_check = 0.0
         self._replaced: str | None = None
+        # how to attach again in another process (pickling: DataLoader workers under spawn)
+        self._options = dict(sampler=sampler, alpha=alpha, beta=beta, max_policy_lag=max_policy_lag,
+                             weights_path=weights_path, weights_version=weights_version, rate_limited=rate_limited)
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
@@ -103,6 +107,14 @@ class ReplayReader(MappedStore):
         except BaseException:
             super().close()
             raise
+
+    def __reduce__(self):
+        """Pickled (a ``spawn`` or ``forkserver`` DataLoader worker, a ``torch.multiprocessing``
+        process): the copy attaches to the same path with the same options and its own random
+        seed (OS entropy, as a forked copy is reseeded). A ``weights_version`` callable must be
+        picklable; ``weights_path`` travels as a path."""
+        self._check_open()
+        return _attach, (str(self._attached_at), self._options)
 
     def _reseed(self) -> None:
         self._rng = np.random.default_rng()
@@ -198,7 +210,9 @@ class ReplayReader(MappedStore):
         ``td_error``); a leaf replaced (``set`` of an existing key, ``pin_memory(inplace=True)``)
         would no longer receive the rows, so the next ``sample`` into the batch raises. Moving
         its memory in place (``share_memory_``, or sending it through a ``torch.multiprocessing``
-        queue) is followed."""
+        queue) is followed: the next sample overwrites what the receiver holds. So never hand a
+        batch you keep sampling into to another process (a DataLoader worker yielding it):
+        yield ``sample(n)``, a new batch, there."""
         self._check_open()
         n = rows_count(batch_size, "batch_size")
         blocks = [torch.from_numpy(np.empty((shape[0], n, *shape[1:]), dtype))  # (leaves, n, *shape)
@@ -385,6 +399,10 @@ class ReplayReader(MappedStore):
             sampling.close()
         self._columns = []
         super().close()
+
+
+def _attach(path: str, options: dict) -> ReplayReader:
+    return ReplayReader(path, **options)
 
 
 def file_identity(path) -> tuple[int, int] | None:
