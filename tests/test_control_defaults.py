@@ -104,3 +104,20 @@ def test_scale_limiter_and_reload_are_checked_like_the_config_file():
                 c.reload()  # 4 workers fit only with the file's 2 envs, which need a restart
             assert err.value.code == "reload_failed"
             assert c.config()["workers"]["count"] == 2 and len(c.status().workers) == 2
+
+
+def test_the_default_socket_in_a_dir_of_another_user_is_refused(tmp_path):
+    """/tmp/ingestd-<uid> made first by another user could hold a fake daemon that takes the
+    trainer's weights and answers for the real one."""
+    from ingestd import DaemonUnavailable
+
+    runtime = tmp_path / "ingestd"
+    runtime.mkdir()
+    runtime.chmod(0o777)
+    with ControlClient(environ={"XDG_RUNTIME_DIR": str(tmp_path)}, timeout=1.0) as client:
+        with pytest.raises(DaemonUnavailable, match="refusing the default control socket"):
+            client.ping()
+    runtime.chmod(0o700)  # our own again: now it is merely absent
+    with ControlClient(environ={"XDG_RUNTIME_DIR": str(tmp_path)}, timeout=0.3, retries=0) as client:
+        with pytest.raises(DaemonUnavailable, match="no reply|no socket"):
+            client.ping()

@@ -382,6 +382,11 @@ STARTUP_FAILURES = {
     # a directory that cannot be created ({tmp}/a-file is a file)
     **{f"{key} under a file": ([f'{key}="{{tmp}}/a-file/dir"'], key, "cannot create")
        for key in ("service.data_dir", "service.runtime_dir", "replay.path")},
+    # a directory another user could have planted files or a fake control socket in
+    **{f"{key} writable by everyone": ([f'{key}="{{tmp}}/open"'], key, "writable by every user")
+       for key in ("service.data_dir", "service.runtime_dir")},
+    **({"runtime dir of another uid": (['service.runtime_dir="{tmp}/theirs"'], "service.runtime_dir",
+                                       "owned by uid 4242")} if os.geteuid() == 0 else {}),
 }
 
 
@@ -392,6 +397,11 @@ def startup_failures(tmp_path_factory):
     for case, (settings, _, _) in STARTUP_FAILURES.items():
         tmp = tmp_path_factory.mktemp("startup")
         (tmp / "a-file").write_text("")
+        (tmp / "open").mkdir()
+        (tmp / "open").chmod(0o777)  # as /tmp/ingestd-<uid> made by someone else first
+        if os.geteuid() == 0:
+            (tmp / "theirs").mkdir()
+            os.chown(tmp / "theirs", 4242, 4242)
         args = [f'service.data_dir="{tmp}/data"', f'service.runtime_dir="{tmp}/run"', "metrics.enabled=false",
                 *(setting.replace("{tmp}", str(tmp)) for setting in settings)]
         cases[case] = ([], args, None, tmp)

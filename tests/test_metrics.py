@@ -488,3 +488,39 @@ def test_scale_moves_workers_desired_and_drops_the_removed_worker(live):
     found = poll(lambda: (lambda f: (by_worker(f, "ingestd_worker_up") == {"0": 1, "1": 1}, f))(
         samples(fetch(live))), 30, "both workers to be up again")
     assert value(found, "ingestd_workers_desired") == 2
+
+
+def test_held_connections_cannot_exhaust_the_daemons_descriptors(monkeypatch):
+    """prometheus_client's server gave each connection a thread with no cap or timeout: a local
+    user holding ~1,000 half-sent requests used up the descriptors and the daemon crashed."""
+    import socket
+    import threading
+
+    from prometheus_client import Counter
+
+    from ingestd.metrics import exporter
+
+    monkeypatch.setattr(exporter, "CONNECTION_TIMEOUT_S", 0.5)
+    registry = CollectorRegistry()
+    Counter("probe_total", "a probe", registry=registry).inc()
+    server, thread = exporter.serve("127.0.0.1", 0, registry)
+    port = server.server_address[1]
+    held = []
+    try:
+        threads = threading.active_count()
+        for _ in range(exporter.MAX_CONNECTIONS + 40):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            conn.sendall(b"GET /metr")  # never finished
+            held.append(conn)
+        time.sleep(0.2)
+        assert threading.active_count() <= threads + exporter.MAX_CONNECTIONS
+        for conn in held:  # each is closed by the server: at once over the cap, else after the timeout
+            assert conn.recv(1) == b""
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "probe_total 1.0" in page
+    finally:
+        for conn in held:
+            conn.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -160,3 +160,31 @@ def test_a_worker_gone_without_a_word_has_its_exit_in_the_error(sleepers):
     procs[1].stop()
     supervisor.tick()
     assert stats.error(1) == "ValueError: the env's own words"  # a worker's own error is kept
+
+
+def test_a_fork_that_fails_is_retried_with_backoff_then_marked_failed(tmp_path):
+    """A fork failing with EMFILE (descriptors exhausted) was not handled: the daemon began
+    stopping, then crashed joining the process that never started."""
+    import errno
+
+    class NoFork:
+        def Process(self, **kwargs):  # noqa: N802 - multiprocessing's name
+            return self
+
+        def start(self):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    now = [100.0]
+    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(restart_budget=3), clock=lambda: now[0])
+    supervisor._ctx = NoFork()
+    try:
+        supervisor.scale(1)
+        for _ in range(3):
+            supervisor.tick()
+            assert supervisor.slots[0].process is None and "Too many open files" in stats.error(0)
+            now[0] += 60.0  # past any backoff
+        assert stats.state(0) == State.FAILED
+        assert supervisor.stop_all(1.0)  # nothing to join: no crash
+    finally:
+        stats.close()

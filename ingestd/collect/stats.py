@@ -90,7 +90,7 @@ class StatsBlock:
             from ingestd.replay.files import reserve  # here: the package imports torch, readers of stats need not
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             try:
                 reserve(fd, size)  # a full runtime dir: ENOSPC here, not SIGBUS in a worker
             except BaseException:

@@ -117,6 +117,21 @@ def _control_host(control_address: str) -> str:
     return control["host"] if control is not None else "127.0.0.1"
 
 
+def _check_own_dir(directory: str) -> None:
+    """The default socket's dir (``/tmp/ingestd-<uid>`` when there is no runtime dir) must be
+    ours: a dir another user made first could hold a fake daemon that receives our weights and
+    answers for the real one."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return  # not there (yet): nothing to connect to, and nobody else's
+    if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+        raise DaemonUnavailable(f"refusing the default control socket in {directory}: it is owned by uid "
+                                f"{st.st_uid} (mode {st.st_mode & 0o7777:04o}), not by you (uid {os.geteuid()}), "
+                                "so another user may run a fake daemon there; remove it, or pass the daemon's "
+                                "address (--connect / INGESTD_CONTROL)")
+
+
 def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "CurveKeys | None",
                    subscribe: list[bytes] = ()) -> zmq.Socket:
     """A connected client socket (no linger, replies capped, CURVE if given); closed again if any
@@ -169,6 +184,9 @@ class ControlClient:
                              f"(the daemon waits no longer), and retries >= 0; got timeout={timeout}, "
                              f"ack_timeout={ack_timeout}, retries={retries}")
         self.address = check_address(address or default_address(environ))  # $INGESTD_CONTROL too
+        env = os.environ if environ is None else environ
+        # the default ipc socket (not one named by the caller) is trusted only in a dir of our own
+        self._own_dir = address is None and not env.get("INGESTD_CONTROL", "").strip()
         self.timeout, self.retries, self.ack_timeout = timeout, retries, ack_timeout
         self.curve_keys, self.wait_for_socket = curve_keys, wait_for_socket
         self._socket_file = socket_file(self.address)
@@ -332,6 +350,8 @@ class ControlClient:
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
+            if self._own_dir and self._socket_file is not None:
+                _check_own_dir(os.path.dirname(self._socket_file))
             sock = _client_socket(self._context, zmq.DEALER, self.address, self.curve_keys)
             self._socket, self._poller = sock, zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 
 from ingestd.errors import ConfigError
 from ingestd.metrics.collector import IngestdCollector
@@ -47,7 +50,7 @@ class MetricsExporter:
         ProcessCollector(registry=self.registry)
         host, port = self.settings.address, self.settings.port
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self._thread = serve(host, port, self.registry)
         except OSError as exc:
             fault = _bind_failure(exc.errno, port)
             if fault is None:  # not the config's fault (EMFILE, ENOMEM, a DNS lookup that failed for now)
@@ -69,6 +72,56 @@ class MetricsExporter:
             server.server_close()
         if thread is not None:
             thread.join(5.0)
+
+
+MAX_CONNECTIONS = 16  # scrapes served at once; more are closed at once
+CONNECTION_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """prometheus_client's server gives every connection a thread, without a timeout or a cap:
+    a local user holding a thousand half-sent requests used up the daemon's file descriptors,
+    and the daemon crashed. This one serves at most ``MAX_CONNECTIONS`` at once (closing the
+    others at once) and closes a connection silent for ``CONNECTION_TIMEOUT_S``."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            request.settimeout(CONNECTION_TIMEOUT_S)
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # no line on stderr per scrape
+        pass
+
+
+def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[_Server, threading.Thread]:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="ingestd-metrics", daemon=True)
+    thread.start()
+    return server, thread
 
 
 # an address that is not this host's, of no family it has, or a host name that does not exist

@@ -166,8 +166,11 @@ def allocate_file(file: Path, size: int) -> None:
     """Create ``file`` of ``size`` bytes, its blocks allocated with posix_fallocate where the file
     system has it (tmpfs, ext4, xfs; elsewhere it stays sparse). Raises an ``OSError`` whose
     errno is in ``NO_ROOM`` when there is no room."""
-    with open(file, "wb") as f:
-        reserve(f.fileno(), size)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)  # never through a planted link
+    try:
+        reserve(fd, size)
+    finally:
+        os.close(fd)
 
 
 def reserve(fd: int, size: int) -> None:

@@ -162,7 +162,7 @@ class ReplayStorage(MappedStore):
         if path.is_dir() and any(p.name not in files.CREATION_FILES for p in path.iterdir()):
             raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # two creators: the second finds meta.json below
             if (path / "meta.json").exists():

@@ -18,7 +18,7 @@ from ingestd.collect.inherited import daemon_only
 from ingestd.collect.stats import Desired, PauseReason, State
 from ingestd.errors import ConfigError, DaemonAlreadyRunning
 from ingestd.service.config import toml_value, with_overrides
-from ingestd.service.layout import Layout, build_layout, make_dir, raise_unusable_path
+from ingestd.service.layout import Layout, build_layout, check_owned, make_dir, raise_unusable_path
 from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.signals import EARLY_SIGHUP
 from ingestd.service.supervisor import RestartPolicy, Supervisor
@@ -92,6 +92,7 @@ class Daemon:
         self._install_signals()
         self._instance_lock = lock_runtime_dir(self.paths.runtime_dir, self.paths.control)
         make_dir(self.paths.data_dir, "service.data_dir")  # first: a data dir that cannot be made is named as such
+        check_owned(self.paths.data_dir, "service.data_dir")
         self._replay_lock = lock_replay(self.paths.replay)
         self.layout = build_layout(self.config, self.paths)
         w = self.config.workers
@@ -271,6 +272,7 @@ def lock_runtime_dir(runtime_dir, control: str = "") -> int:
     from ingestd.control.protocol import socket_file
 
     make_dir(runtime_dir, "service.runtime_dir")
+    check_owned(runtime_dir, "service.runtime_dir")  # before anything in it is opened
     lock = Path(runtime_dir) / "ingestd.lock"
     fd = _hold(lock, "service.runtime_dir", f"another ingestd daemon is running with runtime dir {runtime_dir}; "
                                            "stop it first, or give this one its own service.runtime_dir")
@@ -298,7 +300,7 @@ def _hold(lock: Path, key: str, busy: str) -> int:
     import fcntl
 
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o640)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
     except OSError as exc:
         raise_unusable_path(key, exc, f"cannot open {lock}")
     try:

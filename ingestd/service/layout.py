@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -84,6 +85,10 @@ def build_layout(config, paths) -> Layout:
     for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
                            ("replay.path", Path(paths.replay).parent)):
         make_dir(directory, key)
+    for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir)):
+        check_owned(directory, key)
+    if Path(paths.replay).exists():
+        check_owned(paths.replay, "replay.path")
     storage = _open_replay(paths.replay, example, config.replay.capacity)
     stats = StatsBlock(paths.stats, create=True)
     weights = manifest = None
@@ -131,6 +136,31 @@ def make_dir(directory, key: str) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
     except OSError as exc:
         raise_unusable_path(key, exc, f"cannot create the directory {directory}")
+
+
+def check_owned(directory, key: str) -> None:
+    """A directory the daemon keeps its sockets, locks and files in must be its own: one another
+    user made (``/tmp/ingestd-<uid>`` squatted before the daemon first ran) could hold links to
+    files the daemon would overwrite, or a fake control socket. Refused, naming ``key``, if it
+    is a link another user made, is owned by another uid, or is writable by everyone."""
+    euid = os.geteuid()
+    try:
+        link = os.lstat(directory)
+        st = os.stat(directory)
+    except OSError as exc:
+        raise_unusable_path(key, exc, f"cannot look at {directory}")
+    why = None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
+        why = f"is a symbolic link made by uid {link.st_uid}"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != euid:
+        why = f"is owned by uid {st.st_uid}, not by the daemon's uid {euid}"
+    elif st.st_mode & stat.S_IWOTH:
+        why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    if why is not None:
+        raise ConfigError(key, f"{directory} {why}: another user could plant files or a fake control socket "
+                               f"there; remove it (or fix its owner and mode), or choose another {key}")
 
 
 def raise_unusable_path(key: str, exc: OSError, doing: str) -> NoReturn:

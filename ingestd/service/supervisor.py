@@ -146,12 +146,28 @@ class Supervisor:
         self.stats[index]["state"] = State.STARTING
         if self._incarnation is not None:
             self.stats[index]["incarnation"] = self._incarnation()
-        slot.process = self._ctx.Process(target=worker_main, args=(slot.spec,), name=f"ingestd-worker-{index}",
-                                         daemon=False)
-        slot.process.start()
+        process = self._ctx.Process(target=worker_main, args=(slot.spec,), name=f"ingestd-worker-{index}",
+                                    daemon=False)
+        try:
+            process.start()
+        except OSError as exc:  # EMFILE, EAGAIN, ENOMEM: the host is short of something; try again later
+            self._start_failed(index, slot, f"could not start the worker process: {exc}")
+            return
+        slot.process = process
         self.stats[index]["pid"] = slot.process.pid
         self._on_event("worker.started", worker=index, pid=slot.process.pid,
                        restarts=int(self.stats[index]["restarts"]))
+
+    def _start_failed(self, index: int, slot: Slot, error: str) -> None:
+        """A fork that failed counts like a worker that died before writing."""
+        slot.failures += 1
+        self.stats.set_error(index, error)
+        log.error("worker %d: %s; %d consecutive failure(s)", index, error, slot.failures)
+        if slot.failures >= self.policy.budget:
+            self.stats[index]["state"] = State.FAILED
+            self._on_event("worker.failed", worker=index, error=error)
+            return
+        slot.start_at = self._clock() + self.policy.backoff(slot.failures)
 
     def _reap(self, index: int, slot: Slot, now: float) -> None:
         code = slot.process.exitcode

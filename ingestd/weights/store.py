@@ -94,7 +94,7 @@ class WeightStore:
         size = _buffer_bytes(manifest)
         bases = _buffer_bases(len(manifest_json), size)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
         try:
             try:
                 files.reserve(fd, bases[1] + size)
