@@ -176,7 +176,7 @@ def test_a_fork_that_fails_is_retried_with_backoff_then_marked_failed(tmp_path):
 
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
-    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(restart_budget=3), clock=lambda: now[0])
+    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(budget=3), clock=lambda: now[0])
     supervisor._ctx = NoFork()
     try:
         supervisor.scale(1)
