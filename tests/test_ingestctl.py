@@ -380,3 +380,43 @@ def test_keygen_modes(tmp_path, capsys):
     assert cli.main(["keygen", "trainer", "--dir", str(tmp_path)]) == cli.EX_CANTCREAT
     assert cli.main(["keygen", "trainer", "--dir", str(tmp_path), "--force"]) == 0
     assert zmq.auth.load_certificate(paths["secret"])[0] != public
+
+
+def test_keygen_force_replaces_planted_links_not_their_targets(tmp_path):
+    """--force followed links: a secret key went into a file another user could read, and a
+    root-owned file linked as srv.key was overwritten and made 0644."""
+    victim, theirs = tmp_path / "victim", tmp_path / "theirs"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    theirs.write_text("")
+    theirs.chmod(0o666)
+    (tmp_path / "srv.key").symlink_to(victim)
+    (tmp_path / "srv.key_secret").symlink_to(theirs)
+    assert cli.main(["keygen", "srv", "--dir", str(tmp_path)]) == cli.EX_CANTCREAT  # no --force: refused
+    assert cli.main(["keygen", "srv", "--dir", str(tmp_path), "--force"]) == 0
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert theirs.read_text() == ""
+    for name, mode in (("srv.key", 0o644), ("srv.key_secret", 0o600)):
+        path = tmp_path / name
+        assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["srv.key", "srv.key_secret", "theirs", "victim"]
+
+
+def test_a_fifo_among_the_authorised_keys_is_skipped_not_waited_on(tmp_path):
+    """A FIFO named evil.key blocked the daemon's main loop on reload until someone wrote to it."""
+    import zmq
+
+    from ingestd.control.curve import Authenticator, keygen
+
+    keygen(tmp_path, "alice")
+    os.mkfifo(tmp_path / "evil.key")
+    (tmp_path / "big.key").write_text("#" * 10_000)
+    context = zmq.Context()
+    try:
+        auth = Authenticator(context, tmp_path)
+        try:
+            assert auth.reload() == 1  # alice only; returns at once
+        finally:
+            auth.stop()
+    finally:
+        context.destroy(linger=0)

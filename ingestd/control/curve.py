@@ -62,20 +62,44 @@ def keygen(directory: str | os.PathLike, name: str, *, force: bool = False) -> t
 
 
 def _write(path: Path, text: str, mode: int, force: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
-    fd = os.open(path, flags, mode)
+    """A new file, made with ``mode`` from the start, never through a link someone planted: with
+    ``force``, written beside the target and renamed over it (replacing a link, not its target)."""
+    target = path
+    if force:
+        path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, mode)  # O_CREAT honours the umask, and an existing file keeps its mode: set it
+        os.fchmod(fd, mode)  # O_CREAT honours the umask: set the mode itself
         os.write(fd, text.encode())
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    if force:
+        os.replace(path, target)
+
+
+_MAX_KEY_FILE = 4096  # a certificate is a few hundred bytes
 
 
 def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
+    """The keys of a certificate file: a regular file (a FIFO dropped in the keys dir blocked the
+    daemon's main loop on reload), not followed through a link, of at most a few KiB."""
     try:
-        text = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
         raise KeyFileError(f"cannot read CURVE key file {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KeyFileError(f"CURVE key file {path} is not a regular file")
+        text = os.read(fd, _MAX_KEY_FILE + 1)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read CURVE key file {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(text) > _MAX_KEY_FILE:
+        raise KeyFileError(f"CURVE key file {path} is larger than {_MAX_KEY_FILE} bytes; it is not a certificate")
     found: dict[bytes, bytes] = {}
     for line in text.splitlines():
         line = line.strip()
