@@ -329,8 +329,8 @@ def profile(ctx: Context, request: Profile) -> dict:
     deadline = ctx.deadline(request)
     path = Path(daemon.paths.runtime_dir) / "profiles" / f"worker{index}-{time.strftime('%Y%m%dT%H%M%S')}-" \
         f"{time.monotonic_ns() % 10**6:06d}.json"
-    if not ctx.profile_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        raise RequestError(ErrorCode.TIMEOUT, "another profile is being recorded; try again")
+    if not ctx.profile_lock.acquire(blocking=False):  # waiting would hold a slow-command thread for minutes
+        raise RequestError(ErrorCode.BUSY, "another profile is being recorded; try again once it is written")
     try:
         pid = int(rec["pid"])
         seq = profiling.request(rec, path, request.seconds)

@@ -40,8 +40,10 @@ from ingestd.errors import ConfigError
 
 log = logging.getLogger("ingestd.control")
 
-POOL_THREADS = 4
 MAX_SLOW_IN_FLIGHT = 16  # beyond this, slow commands get ``busy``
+# a thread for every slow command let in: one never queues behind others (four profile requests
+# held all four threads of a smaller pool, and a push waited a minute for one)
+POOL_THREADS = MAX_SLOW_IN_FLIGHT
 MAX_PUSHES_IN_FLIGHT = 2  # each holds a payload of up to max_message_bytes
 HOUSEKEEPING_S = 0.25  # frame-rate samples and weights.applied events
 RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbox again
@@ -59,6 +61,9 @@ def bind_private(sock: zmq.Socket, address: str) -> None:
     daemon's socket: a live one is refused (``AddressInUse``), a stale one is replaced."""
     path = socket_file(address)
     if path is None:
+        if address.startswith("ipc://@") and not sock.curve_server:
+            log.warning("%s is an abstract socket: it has no file mode, so every local user can connect to it "
+                        "and control the daemon; use an ipc:// path (or CURVE) on a shared host", address)
         sock.bind(address)
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
