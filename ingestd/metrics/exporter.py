@@ -86,6 +86,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 made connects wait for SYN retries)
 
     def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -107,6 +108,11 @@ class _Server(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection that timed out or broke: nothing for the log (socketserver prints a
+        traceback to stderr for each, which a scraper or an attacker could flood the journal with)."""
+        log.debug("metrics: connection from %s ended with an error", client_address, exc_info=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
