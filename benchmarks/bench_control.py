@@ -165,21 +165,10 @@ def bench_pause(args) -> dict:
 
 def frames_lost(replay_path, first: int, last: int) -> tuple[int, int]:
     """Missing (or repeated) steps per (worker, env) stream among rows with write index in [first, last)."""
-    from control_daemon import rows_between
+    from control_daemon import rows_between, stream_breaks
 
     rows = rows_between(replay_path, first, last)
-    w, e = rows.get(("ingestd", "worker")), rows.get(("ingestd", "env"))
-    episode, step = rows.get(("ingestd", "episode")), rows.get(("ingestd", "step"))
-    done = rows.get(("next", "done")).reshape(-1)
-    bad = 0
-    for worker in w.unique().tolist():
-        for env in e.unique().tolist():
-            idx = ((w == worker) & (e == env)).nonzero().squeeze(-1)
-            a, b = idx[:-1], idx[1:]
-            ok = torch.where(done[a], (episode[b] == episode[a] + 1) & (step[b] == 0),
-                             (episode[b] == episode[a]) & (step[b] == step[a] + 1))
-            bad += int((~ok).sum())
-    return bad, len(rows)
+    return stream_breaks(rows)[0], len(rows)
 
 
 def baseline(n: int, repeat: int) -> dict:

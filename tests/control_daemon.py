@@ -126,6 +126,28 @@ def rows_between(replay_path, first: int, last: int):
     return rows[first_seen]
 
 
+def stream_breaks(rows) -> tuple[int, int]:
+    """``(breaks, pairs checked)``: per (worker, env), consecutive rows (in write order) must
+    continue the episode (same id, step + 1) or, after a done row, start the sub-env's next
+    episode (id + num_envs, step 0); a break is a lost or repeated step."""
+    import torch
+
+    w, e = rows.get(("ingestd", "worker")), rows.get(("ingestd", "env"))
+    episode, step = rows.get(("ingestd", "episode")), rows.get(("ingestd", "step"))
+    done = rows.get(("next", "done")).reshape(-1)
+    width = int(e.max()) + 1  # num_envs
+    breaks = checked = 0
+    for worker in w.unique().tolist():
+        for env in e.unique().tolist():
+            idx = ((w == worker) & (e == env)).nonzero().squeeze(-1)
+            a, b = idx[:-1], idx[1:]
+            follows = torch.where(done[a], (episode[b] == episode[a] + width) & (step[b] == 0),
+                                  (episode[b] == episode[a]) & (step[b] == step[a] + 1))
+            breaks += int((~follows).sum())
+            checked += len(a)
+    return breaks, checked
+
+
 @pytest.fixture
 def snapshots(daemon):
     """The shared daemon's snapshots directory; the snapshots a test writes are removed after it."""

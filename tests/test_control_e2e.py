@@ -16,7 +16,7 @@ import zmq
 
 import control_plugins
 from control_daemon import client, daemon, snapshots  # noqa: F401  (pytest fixtures)
-from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, wait_for
+from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, stream_breaks, wait_for
 from ingestd import BadReply, BadWeights, CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
@@ -106,19 +106,8 @@ def test_pause_stops_writes_and_resume_loses_no_frame(daemon, client):
 
 def assert_contiguous(rows) -> None:
     """Per (worker, env), consecutive rows continue the same episode or start the next: no lost step."""
-    w, e = rows.get(("ingestd", "worker")), rows.get(("ingestd", "env"))
-    episode, step = rows.get(("ingestd", "episode")), rows.get(("ingestd", "step"))
-    done = rows.get(("next", "done")).reshape(-1)
-    width = int(e.max()) + 1  # num_envs: a sub-env's next episode id is that much further
-    checked = 0
-    for worker in w.unique().tolist():
-        for env in e.unique().tolist():
-            idx = ((w == worker) & (e == env)).nonzero().squeeze(-1)
-            a, b = idx[:-1], idx[1:]
-            follows = torch.where(done[a], (episode[b] == episode[a] + width) & (step[b] == 0),
-                                  (episode[b] == episode[a]) & (step[b] == step[a] + 1))
-            assert bool(follows.all()), f"worker {worker} env {env}: a step is missing or repeated"
-            checked += len(a)
+    breaks, checked = stream_breaks(rows)
+    assert breaks == 0, f"{breaks} steps are missing or repeated"
     assert checked > 1000
 
 
