@@ -129,8 +129,11 @@ def rows_between(replay_path, first: int, last: int):
 def stream_breaks(rows) -> tuple[int, int]:
     """``(breaks, pairs checked)``: per (worker, env), consecutive rows (in write order) must
     continue the episode (same id, step + 1) or, after a done row, start the sub-env's next
-    episode (id + num_envs, step 0); a break is a lost or repeated step."""
+    episode (id + num_envs, step 0), or come from a restarted worker (a later incarnation's first
+    episode of that sub-env, step 0); a break is a lost or repeated step."""
     import torch
+
+    from ingestd.replay.layout import EPISODE_BITS
 
     w, e = rows.get(("ingestd", "worker")), rows.get(("ingestd", "env"))
     episode, step = rows.get(("ingestd", "episode")), rows.get(("ingestd", "step"))
@@ -143,7 +146,9 @@ def stream_breaks(rows) -> tuple[int, int]:
             a, b = idx[:-1], idx[1:]
             follows = torch.where(done[a], (episode[b] == episode[a] + width) & (step[b] == 0),
                                   (episode[b] == episode[a]) & (step[b] == step[a] + 1))
-            breaks += int((~follows).sum())
+            restarted = (episode[b] >> EPISODE_BITS > episode[a] >> EPISODE_BITS) & (step[b] == 0) & (
+                episode[b] == ((episode[b] >> EPISODE_BITS) << EPISODE_BITS) + env)
+            breaks += int((~(follows | restarted)).sum())
             checked += len(a)
     return breaks, checked
 

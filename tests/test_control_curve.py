@@ -108,3 +108,14 @@ def test_ingestctl_with_keys_and_reloaded_authorisation(daemon, keys, capsys):
         assert cli.main([*ok, "--client-key", str(made["trainer"][1]), "reload"]) == 0
     assert cli.main([*refused, "--client-key", str(made["intruder"][1]), "ping"]) == cli.EX_UNAVAILABLE
     capsys.readouterr()
+
+
+def test_key_files_delivered_as_links_are_read(tmp_path):
+    """Secret mounts and config management deliver keys as links; they must keep working."""
+    from ingestd.control.curve import load_public, load_secret
+
+    keygen(tmp_path, "real")
+    (tmp_path / "linked.key_secret").symlink_to(tmp_path / "real.key_secret")
+    (tmp_path / "linked.key").symlink_to(tmp_path / "real.key")
+    assert load_secret(tmp_path / "linked.key_secret") == load_secret(tmp_path / "real.key_secret")
+    assert load_public(tmp_path / "linked.key") == load_public(tmp_path / "real.key")

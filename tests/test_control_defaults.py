@@ -112,6 +112,9 @@ def test_the_default_socket_in_a_dir_of_another_user_is_refused(tmp_path):
     from ingestd import DaemonUnavailable
 
     runtime = tmp_path / "ingestd"
+    with ControlClient(environ={"XDG_RUNTIME_DIR": str(tmp_path)}, timeout=0.3) as client:
+        with pytest.raises(DaemonUnavailable, match="was not sent"):  # no dir yet: nothing is connected
+            client.ping()
     runtime.mkdir()
     runtime.chmod(0o777)
     with ControlClient(environ={"XDG_RUNTIME_DIR": str(tmp_path)}, timeout=1.0) as client:

@@ -524,3 +524,35 @@ def test_held_connections_cannot_exhaust_the_daemons_descriptors(monkeypatch):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_a_connection_trickling_bytes_is_cut_at_its_deadline(monkeypatch):
+    """A socket timeout restarts with every byte: one byte every few seconds held a slot for ever."""
+    import socket
+
+    from ingestd.metrics import exporter
+
+    monkeypatch.setattr(exporter, "CONNECTION_TIMEOUT_S", 0.5)
+    server, thread = exporter.serve("127.0.0.1", 0, CollectorRegistry())
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=5) as conn:
+            started = time.monotonic()
+            conn.sendall(b"GET /metrics HTTP/1.1\r\n")
+            cut = False
+            while time.monotonic() - started < 5 and not cut:
+                time.sleep(0.1)
+                try:
+                    conn.sendall(b"X-Trickle: 1\r\n")  # well within the socket timeout each time
+                    conn.setblocking(False)
+                    cut = conn.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:  # reset: cut too
+                    cut = True
+                finally:
+                    conn.setblocking(True)
+            assert cut and time.monotonic() - started < 2.5
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -23,6 +23,9 @@ from ingestd.replay.layout import EPISODE_BITS
 
 def episode_base_of(incarnation: int) -> int:
     """The first episode id of a worker incarnation (its sub-envs count on from there)."""
+    if not 0 <= incarnation < 1 << (63 - EPISODE_BITS):
+        raise ValueError(f"worker incarnation {incarnation} is past the {1 << (63 - EPISODE_BITS)} episode ids "
+                         "can tell apart; start a new replay (a new replay.path)")
     return incarnation << EPISODE_BITS  # see ingestd.replay.layout
 
 

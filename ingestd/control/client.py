@@ -317,6 +317,15 @@ class ControlClient:
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:
+            if self._own_dir and self._socket is None and self._socket_file is not None:
+                # connect only once the dir exists and is ours: libzmq reconnects by itself to whatever
+                # socket appears later, so a dir made meanwhile by another user would get the request
+                directory = os.path.dirname(self._socket_file)
+                while not os.path.isdir(directory) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                if not os.path.isdir(directory):
+                    raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: {self._no_socket()}")
+                _check_own_dir(directory)
             request_id = self._prefix + str(next(self._ids))
             frames = [encode_header(request_id, request.cmd, args), *payload]
             while sent < attempts and (remaining := deadline - time.monotonic()) > 0.001:
@@ -350,8 +359,6 @@ class ControlClient:
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
-            if self._own_dir and self._socket_file is not None:
-                _check_own_dir(os.path.dirname(self._socket_file))
             sock = _client_socket(self._context, zmq.DEALER, self.address, self.curve_keys)
             self._socket, self._poller = sock, zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)

@@ -85,9 +85,10 @@ _MAX_KEY_FILE = 4096  # a certificate is a few hundred bytes
 
 def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
     """The keys of a certificate file: a regular file (a FIFO dropped in the keys dir blocked the
-    daemon's main loop on reload), not followed through a link, of at most a few KiB."""
+    daemon's main loop on reload) of at most a few KiB. Links are followed: secret mounts and
+    config management deliver keys as links, and reading through one gives nobody anything."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise KeyFileError(f"cannot read CURVE key file {path}: {exc.strerror}") from None
     try:

@@ -112,7 +112,7 @@ class ControlServer:
         self._event_seq = 0
         self._applied: dict[int, int] = {}
         self._files: list[str] = []
-        self._ipc: list[list] = []  # [socket, address, path, (device, inode) of its file when bound]
+        self._ipc: list[list] = []  # [socket, address, path, (device, inode) of its file when bound, failed]
         self._next_file_check = 0.0
 
     # -- lifecycle (main thread) -------------------------------------------------------
@@ -166,7 +166,7 @@ class ControlServer:
             raise ConfigError(key, f"cannot bind {address}: {exc}") from None
         if (path := socket_file(address)) is not None:
             self._files.append(path)
-            self._ipc.append([sock, address, path, _identity(path)])
+            self._ipc.append([sock, address, path, _identity(path), False])
         return sock
 
     def _on_daemon_event(self, kind: str, **fields: Any) -> None:
@@ -385,20 +385,19 @@ class ControlServer:
         """Bind again an ipc socket whose file was deleted or replaced (``systemd-tmpfiles`` ageing
         /tmp, an operator tidying the runtime dir): nobody could connect to the daemon any more."""
         for entry in self._ipc:
-            sock, address, path, identity = entry
-            if identity is None or _identity(path) == identity:
+            sock, address, path, identity, failed = entry
+            if _identity(path) == identity:
                 continue
-            log.warning("control: the socket file %s was deleted or replaced; binding it again", path)
-            try:
-                try:
-                    sock.unbind(address)
-                except zmq.ZMQError:
-                    pass
+            if not failed:
+                log.warning("control: the socket file %s was deleted or replaced; binding it again", path)
+            try:  # no unbind: that would drop the clients connected through the old file
                 bind_private(sock, address)
-                entry[3] = _identity(path)
-            except (zmq.ZMQError, OSError) as exc:
-                entry[3] = None  # said once; a daemon there now keeps it
-                log.error("control: cannot bind %s again (%s); restart the daemon to control it there", address, exc)
+                entry[3], entry[4] = _identity(path), False
+            except (zmq.ZMQError, OSError) as exc:  # tried again at the next check; said once
+                if not failed:
+                    log.error("control: cannot bind %s again (%s); retrying every %.0f s", address, exc,
+                              SOCKET_FILE_CHECK_S)
+                entry[4] = True
 
 
 def _identity(path: str) -> tuple[int, int] | None:

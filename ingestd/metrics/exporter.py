@@ -10,6 +10,7 @@ import errno
 import logging
 import socket
 import threading
+import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -75,14 +76,15 @@ class MetricsExporter:
 
 
 MAX_CONNECTIONS = 16  # scrapes served at once; more are closed at once
-CONNECTION_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+CONNECTION_TIMEOUT_S = 10.0  # a connection is closed this long after it was accepted, whatever it sends
 
 
 class _Server(ThreadingMixIn, WSGIServer):
     """prometheus_client's server gives every connection a thread, without a timeout or a cap:
     a local user holding a thousand half-sent requests used up the daemon's file descriptors,
     and the daemon crashed. This one serves at most ``MAX_CONNECTIONS`` at once (closing the
-    others at once) and closes a connection silent for ``CONNECTION_TIMEOUT_S``."""
+    others at once) and closes every connection ``CONNECTION_TIMEOUT_S`` after it was accepted
+    (a socket timeout alone restarts with every byte: one byte every few seconds held a slot)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -90,6 +92,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._deadlines: dict[socket.socket, float] = {}  # open connections -> when they are cut
+        self._deadlines_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address) -> None:
@@ -98,6 +102,8 @@ class _Server(ThreadingMixIn, WSGIServer):
             return
         try:
             request.settimeout(CONNECTION_TIMEOUT_S)
+            with self._deadlines_lock:
+                self._deadlines[request] = time.monotonic() + CONNECTION_TIMEOUT_S
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
@@ -107,7 +113,20 @@ class _Server(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._deadlines_lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
+
+    def service_actions(self) -> None:
+        """Between polls of ``serve_forever`` (every 0.5 s): cut the connections past their time."""
+        now = time.monotonic()
+        with self._deadlines_lock:
+            late = [conn for conn, deadline in self._deadlines.items() if deadline < now]
+        for conn in late:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # the handler's read returns; its thread ends and closes it
+            except OSError:  # closed meanwhile
+                pass
 
     def handle_error(self, request, client_address) -> None:
         """A connection that timed out or broke: nothing for the log (socketserver prints a

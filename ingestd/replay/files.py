@@ -254,14 +254,15 @@ _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 
 
-_LOCK_FILES: dict[int, str] = {}  # descriptor -> path of the files opened with open_lock_file
+_LOCK_FILES: dict[int, tuple[str, int, int]] = {}  # descriptor -> (absolute path, device, inode)
 
 
 def open_lock_file(path, flags: int = os.O_RDWR, mode: int = 0o666) -> int:
     """Open a file this process locks through (``flocked``, slot locks). A forked child opens
     it again on the same descriptor number (:func:`_reopen_lock_files`)."""
     fd = os.open(path, flags, mode)
-    _LOCK_FILES[fd] = os.fspath(path)
+    st = os.fstat(fd)
+    _LOCK_FILES[fd] = (os.path.abspath(path), st.st_dev, st.st_ino)  # absolute: a chdir does not move it
     return fd
 
 
@@ -274,14 +275,16 @@ def _reopen_lock_files() -> None:
     """In a forked child: ``flock`` and open-file-description locks belong to the open file,
     which a fork shares, so a parent and its forked children (DataLoader workers sampling
     through one reader) would not exclude each other: limiter counts were lost. Each lock
-    file is opened anew, on the same descriptor number (a file gone since keeps the shared
-    description)."""
-    for fd, path in list(_LOCK_FILES.items()):
+    file is opened anew, on the same descriptor number (a file gone or replaced since keeps the
+    shared description: locking another storage's file would be worse)."""
+    for fd, (path, device, inode) in list(_LOCK_FILES.items()):
         try:
             fresh = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue
-        os.dup2(fresh, fd, inheritable=False)
+        st = os.fstat(fresh)
+        if (st.st_dev, st.st_ino) == (device, inode):
+            os.dup2(fresh, fd, inheritable=False)
         os.close(fresh)
 
 

@@ -25,7 +25,8 @@ WRITE_INDEX: Key = ("ingestd", "write_index")
 POLICY_VERSION: Key = ("ingestd", "policy_version")
 FLAG_FIELDS = ("done", "terminated", "truncated")
 # episode ids: sub-env i of a worker incarnation numbers its episodes (incarnation << EPISODE_BITS)
-# + i + k * num_envs, k = 0, 1, ...: unique over every sub-env, worker and restart of a storage
+# + i + k * num_envs, k = 0, 1, ...: unique over every sub-env, worker and restart of a storage,
+# for 2**23 worker starts per storage and 2**40 episodes per incarnation (num_envs x episodes each)
 EPISODE_BITS = 40
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -142,7 +142,8 @@ def check_owned(directory, key: str) -> None:
     """A directory the daemon keeps its sockets, locks and files in must be its own: one another
     user made (``/tmp/ingestd-<uid>`` squatted before the daemon first ran) could hold links to
     files the daemon would overwrite, or a fake control socket. Refused, naming ``key``, if it
-    is a link another user made, is owned by another uid, or is writable by everyone."""
+    is a link another user made, is owned by another uid than the daemon's or root's, or is
+    writable by everyone."""
     euid = os.geteuid()
     try:
         link = os.lstat(directory)
@@ -154,8 +155,8 @@ def check_owned(directory, key: str) -> None:
         why = f"is a symbolic link made by uid {link.st_uid}"
     elif not stat.S_ISDIR(st.st_mode):
         why = "is not a directory"
-    elif st.st_uid != euid:
-        why = f"is owned by uid {st.st_uid}, not by the daemon's uid {euid}"
+    elif st.st_uid not in (euid, 0):  # root's own dirs (tmpfiles.d, a mount point) are trusted
+        why = f"is owned by uid {st.st_uid}, not by the daemon's uid {euid} (nor root)"
     elif st.st_mode & stat.S_IWOTH:
         why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
     if why is not None:
