@@ -84,8 +84,9 @@ class ReplayReader(MappedStore):
         self._next_attach_check = 0.0
         self._replaced: str | None = None
         # how to attach again in another process (pickling: DataLoader workers under spawn)
+        weights_at = None if weights_path is None else str(Path(weights_path).expanduser().absolute())
         self._options = dict(sampler=sampler, alpha=alpha, beta=beta, max_policy_lag=max_policy_lag,
-                             weights_path=weights_path, weights_version=weights_version, rate_limited=rate_limited)
+                             weights_path=weights_at, weights_version=weights_version, rate_limited=rate_limited)
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
