@@ -418,3 +418,19 @@ def test_stress_two_writers_and_a_trainer(shm_dir):
         committed = (store.seq > 0) & (store.seq % 2 == 0)
         assert committed.all() and (tree.levels[0][:512] > 0).all()
         assert tree.max_leaf >= tree.levels[0].max() - 1e-12
+
+
+def test_the_files_trainers_write_are_group_writable_under_the_units_umask(shm_dir):
+    """Under the unit's UMask=0027 every file was 0640: a trainer in the daemon's group could
+    sample rows but could not open the priority tree or the limiter for writing."""
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        with ReplayStorage.create(shm_dir / "r", rows(8), 64) as store:
+            store.write(rows(8))
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (shm_dir / "r").iterdir()}
+    assert mode["priority.bin"] == mode["priority.lock"] == mode["limiter.bin"] == 0o660, mode
+    assert mode["data.bin"] == mode["header.bin"] == 0o640, mode  # the rows stay read-only for the group

@@ -160,6 +160,10 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
 
 
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full file system, a file-size limit, a quota
+# the files trainers write (priorities, the limiter's counters, the priority lock): read and write
+# for the owner and the group, whatever the umask (the unit's UMask=0027 would make them 0640, and a
+# trainer in the daemon's group could then sample but not update priorities or take part in limiting)
+TRAINER_WRITABLE = 0o660
 
 
 def allocate_file(file: Path, size: int) -> None:

@@ -106,6 +106,7 @@ def ensure_file(path: str | os.PathLike) -> None:
     f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
     try:
         tmp.write_bytes(words.tobytes())
+        tmp.chmod(files.TRAINER_WRITABLE)
         os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
     except FileExistsError:
         pass

@@ -34,6 +34,7 @@ priority it entered with.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -117,8 +118,10 @@ class PriorityTree:
         storage makes its rows sampleable at once."""
         path = Path(path)
         if not (path / FILE).exists():
-            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, files.TRAINER_WRITABLE)
             try:
+                with contextlib.suppress(PermissionError):  # made by another user before: theirs to set
+                    os.fchmod(fd, files.TRAINER_WRITABLE)
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not (path / FILE).exists():
                     _create(path, capacity, seq)
@@ -256,6 +259,7 @@ def _create(path: Path, capacity: int, seq: np.ndarray | None) -> None:
     try:
         files.allocate_file(tmp, size)
         _fill(tmp, capacity, seq)
+        os.chmod(tmp, files.TRAINER_WRITABLE)
         os.replace(tmp, path / FILE)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
