@@ -110,6 +110,29 @@ def test_ingestctl_with_keys_and_reloaded_authorisation(daemon, keys, capsys):
     capsys.readouterr()
 
 
+def test_a_revoked_key_loses_the_connection_it_already_has(daemon, keys):
+    """Revoking a key (remove it, reload) only refused new connections: one already open kept
+    full control."""
+    root, authorized, made = keys
+    shutil.copy(made["intruder"][0], authorized / "intruder.key")
+    try:
+        with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "trainer")) as admin, \
+                ControlClient(daemon.control_address, timeout=2.0, retries=0,
+                              curve_keys=_keys(made, "intruder")) as held:
+            admin.reload()
+            assert held.ping()["pong"]  # connected while authorised
+            (authorized / "intruder.key").unlink()
+            admin.reload()
+            with pytest.raises(DaemonUnavailable):
+                held.pause(timeout_s=1.0)
+            assert admin.status().desired == "run"
+    finally:
+        (authorized / "intruder.key").unlink(missing_ok=True)
+        with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "trainer")) as admin:
+            admin.reload()
+    assert "dropped a request from revoked key" in daemon.log()
+
+
 def test_key_files_delivered_as_links_are_read(tmp_path):
     """Secret mounts and config management deliver keys as links; they must keep working."""
     from ingestd.control.curve import load_public, load_secret

@@ -161,6 +161,7 @@ class Authenticator:
         if not self.directory.is_dir():
             raise KeyFileError(f"control.curve_authorized_keys {self.directory} is not a directory")
         self._keys: frozenset[bytes] = frozenset()
+        self._refused_logged: set[str | None] = set()
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("ingestd.control.zap"))
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self)
@@ -172,6 +173,17 @@ class Authenticator:
         if not allowed:
             log.warning("CURVE: refused a client with unknown public key %s", client_key.decode(errors="replace"))
         return allowed
+
+    def allows(self, user_id: str | None) -> bool:
+        """Whether a request from a connection the ZAP handler let in (``user_id``: the client's
+        key, Z85) is still authorised: a key removed since, and reloaded, no longer is."""
+        return user_id is not None and user_id.encode() in self._keys
+
+    def refused_request(self, user_id: str | None) -> None:
+        if user_id not in self._refused_logged:  # once per key: a revoked client may keep sending
+            self._refused_logged.add(user_id)
+            log.warning("CURVE: dropped a request from revoked key %s (its connection predates the revocation)",
+                        user_id)
 
     def reload(self) -> int:
         """(Re-)read the authorised keys (at start and on every reload); returns how many."""

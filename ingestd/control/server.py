@@ -257,14 +257,17 @@ class ControlServer:
     def _drain_router(self) -> None:
         """Handle the waiting requests (at most ``RECV_BATCH``). Asking ``EVENTS`` whether another
         one waits costs less than the ``Again`` that a receive on an empty socket raises."""
-        router = self._router
+        router, auth = self._router, self._auth
         for _ in range(RECV_BATCH):
             try:
-                frames = _recv_request(router)
+                frames, user = _recv_request(router, auth is not None)
             except zmq.Again:
                 return
             try:
-                self._handle(frames)
+                if auth is not None and not auth.allows(user):  # its key was revoked since it connected
+                    auth.refused_request(user)
+                else:
+                    self._handle(frames)
             except Exception:  # never let one request take the thread down
                 log.exception("control: unexpected error while handling a request")
             if not router.getsockopt(_EVENTS) & _POLLIN:
@@ -413,17 +416,25 @@ _NOBLOCK, _SEND_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 
 
-def _recv_request(router: zmq.Socket) -> list:
-    """One request's frames (``zmq.Again`` if none waits): the routing envelope and the header as
-    bytes, the payloads after the header (weights) as zero-copy ``zmq.Frame``s. A request without
-    payloads is all bytes, which costs less than a ``Frame`` per part."""
-    frames = [router.recv(_NOBLOCK)]
+def _recv_request(router: zmq.Socket, who: bool = False) -> tuple[list, str | None]:
+    """One request's frames (``zmq.Again`` if none waits) and, with ``who``, the CURVE user id
+    (the client's public key, Z85) the ZAP handler gave its connection. The routing envelope and
+    the header come as bytes, the payloads after the header (weights) as zero-copy
+    ``zmq.Frame``s. A request without payloads is all bytes, which costs less than a ``Frame``
+    per part."""
+    user = None
+    if who:
+        first = router.recv(_NOBLOCK, copy=False)
+        user = first.get("User-Id")
+        frames = [first.bytes]
+    else:
+        frames = [router.recv(_NOBLOCK)]
     copy = True
     while router.getsockopt(_RCVMORE):
         frame = router.recv(_NOBLOCK, copy=copy)
         frames.append(frame)
         copy = copy and not frame  # the first non-empty frame after the routing id is the header
-    return frames
+    return frames, user
 
 
 def _split_route(frames: list) -> tuple[list, list]:
