@@ -132,8 +132,19 @@ def write_meta(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
     meta = {"format": FORMAT, "version": VERSION, "capacity": capacity, "schema": schema_to_json(schema),
             "layout": plan_layout(schema, capacity).to_json()}
     tmp = path / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    write_new(tmp, json.dumps(meta, indent=2, sort_keys=True).encode())
     os.replace(tmp, path / "meta.json")
+
+
+def write_new(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to ``path`` (a temporary name of ours), never through a link planted there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        view = memoryview(data)
+        while view:  # a short write (a size limit, a full disk) raises on the next call
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:

@@ -105,7 +105,7 @@ def ensure_file(path: str | os.PathLike) -> None:
     words[W_MIN_SIZE] = d.min_size
     f[W_SPI], f[W_MIN_DIFF], f[W_MAX_DIFF] = d.samples_per_insert, d.min_diff, d.max_diff
     try:
-        tmp.write_bytes(words.tobytes())
+        files.write_new(tmp, words.tobytes())
         tmp.chmod(files.TRAINER_WRITABLE)
         os.link(tmp, path / FILE)  # atomic, and never replaces a file another process made
     except FileExistsError:
