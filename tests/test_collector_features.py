@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from daemon_proc import DaemonProc
+from daemon_proc import DaemonProc, wait_for
 from ingestd.collect.envs import CartPole, Gym
 from ingestd.collect.envs.checksum import Checksum, episode_hash, episode_shape, mix64, reward_of
 from ingestd.collect.features import (
@@ -313,10 +313,26 @@ def test_profile_command_writes_a_chrome_trace_while_the_worker_collects():
             assert int(stats[0]["threads"]) == 2  # workers.threads, set in the worker
             pid, before = int(stats[0]["pid"]), int(stats[0]["frames"])
             env = {**os.environ, "INGESTD_CONTROL": d.control_address}
-            out = subprocess.run([sys.executable, "-m", "ingestd.control.cli", "--json", "profile", "0",
-                                  "--seconds", "1"], capture_output=True, text=True, timeout=60, env=env)
-            assert out.returncode == 0, out.stderr
-            path = json.loads(out.stdout)["result"]["path"]
+            first = subprocess.Popen([sys.executable, "-m", "ingestd.control.cli", "--json", "profile", "0",
+                                      "--seconds", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env)
+            try:
+                wait_for(lambda: int(stats[0]["profile_seq"]) != int(stats[0]["profile_done"]), 30,
+                         "the first profile to start")
+                with ControlClient(d.control_address, timeout=5) as client:  # a second one is busy at once
+                    from ingestd.errors import CommandFailed
+
+                    started = time.monotonic()
+                    with pytest.raises(CommandFailed) as info:
+                        client.profile(0, 0.1)
+                    assert info.value.code == "busy" and time.monotonic() - started < 2.0
+                out, err = first.communicate(timeout=60)
+            finally:
+                if first.poll() is None:
+                    first.kill()
+                    first.wait()
+            assert first.returncode == 0, err
+            path = json.loads(out)["result"]["path"]
             assert int(stats[0]["frames"]) > before  # it kept collecting
         finally:
             stats.close()
