@@ -55,6 +55,10 @@ def wait_status(client: ControlClient, predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}: {status}")
 
 
+def _workers(status) -> list[tuple]:
+    return [(w.index, w.state, w.pause_reason, w.pid, w.incarnation, w.frames, w.restarts) for w in status.workers]
+
+
 def budget_spent(status) -> bool:
     return bool(status.workers) and all(w.state == "paused" and w.pause_reason == "budget" for w in status.workers)
 
@@ -221,11 +225,15 @@ def test_daemon_warmup_episode_limit_and_budget():
     with DaemonProc(overrides=overrides) as d:
         d.wait_ready()
         with ControlClient(d.control_address, timeout=10) as client:
-            wait_status(client, budget_spent, 30, "the budget pause")
+            first = wait_status(client, budget_spent, 30, "the budget pause")
             written = client.status().replay.write_count
             time.sleep(0.3)
             status = client.status()  # still serving, and collecting nothing more
-            assert status.replay.write_count == written
+            # (seen once in CI: 1088 rows where 1024 were written when both workers showed paused; the
+            # cause is not known yet, so say everything that could explain it)
+            assert status.replay.write_count == written, (
+                f"rows written after every worker showed the budget pause: {written} -> "
+                f"{status.replay.write_count}; then {_workers(first)}, now {_workers(status)}; log:\n{d.log()[-3000:]}")
             assert budget <= written <= budget + 2 * CHUNK  # a worker finishes the chunk it started
             assert client.resume().workers == [0, 1]  # acknowledged, but the budget keeps them paused
             assert budget_spent(client.status())
