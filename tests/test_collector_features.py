@@ -312,6 +312,35 @@ def test_daemon_stores_nstep_rows_matching_the_reference():
             [ref["done"], ref["terminated"], ref["truncated"]]
 
 
+def test_a_worker_writing_a_slow_trace_keeps_its_heartbeat(tmp_path):
+    """Writing a trace can take longer than the heartbeat timeout (5 s by default) on a loaded
+    machine: the supervisor killed the worker as hung and the profile was lost."""
+    from ingestd.collect.profiling import ProfileRequests
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    try:
+        rec = stats[0]
+        requests = ProfileRequests(rec, 0)
+
+        class SlowExport:
+            def stop(self):
+                pass
+
+            def export_chrome_trace(self, path):
+                self.beat_before = float(rec["heartbeat"])
+                time.sleep(1.5)
+                self.beat_after = float(rec["heartbeat"])
+                Path(path).write_text("{}")
+
+        slow = SlowExport()
+        requests._profiler, requests._path, requests._seq = slow, str(tmp_path / "trace.json"), 1
+        requests.finish()
+        assert int(rec["profile_done"]) == 1 and (tmp_path / "trace.json").exists()
+        assert slow.beat_after - slow.beat_before >= 1.0  # beaten while it wrote
+    finally:
+        stats.close()
+
+
 def test_profile_command_writes_a_chrome_trace_while_the_worker_collects():
     overrides = {"workers.count": 1, "workers.threads": 2}
     with DaemonProc(overrides=overrides) as d:
@@ -322,7 +351,7 @@ def test_profile_command_writes_a_chrome_trace_while_the_worker_collects():
             pid, before = int(stats[0]["pid"]), int(stats[0]["frames"])
             env = {**os.environ, "INGESTD_CONTROL": d.control_address}
             first = subprocess.Popen([sys.executable, "-m", "ingestd.control.cli", "--json", "profile", "0",
-                                      "--seconds", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      "--seconds", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env)
             try:
                 wait_for(lambda: int(stats[0]["profile_seq"]) != int(stats[0]["profile_done"]), 30,

@@ -76,11 +76,15 @@ class ProfileRequests:
         profiler, self._profiler = self._profiler, None
         if profiler is None:
             return
-        try:
-            profiler.stop()
-            tmp = f"{self._path}.tmp{os.getpid()}"
-            profiler.export_chrome_trace(tmp)
-            os.replace(tmp, self._path)
+        from ingestd.collect.features import keepalive  # here: features imports this module
+
+        rec = self.rec
+        try:  # writing a trace can take longer than the heartbeat timeout: not a hang (it was killed as one)
+            with keepalive(lambda: rec.__setitem__("heartbeat", time.monotonic())):
+                profiler.stop()
+                tmp = f"{self._path}.tmp{os.getpid()}"
+                profiler.export_chrome_trace(tmp)
+                os.replace(tmp, self._path)
         except Exception as exc:
             self._fail(f"could not write the trace: {exc}")
             return
