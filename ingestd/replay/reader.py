@@ -10,7 +10,7 @@ leaf), then each run of leaves with equal dtype and shape is copied out of the
 gathered records as one contiguous ``(leaves, n, *shape)`` array and split
 into per-leaf tensors by one ``unbind``. Large leaves (images) are gathered by
 ``torch.index_select``, which copies rows on torch's intra-op threads. The
-nested TensorDict is put together from a key plan made once.
+nested TensorDict is put together from a key plan made once (:mod:`ingestd.replay.batches`).
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 from ingestd.errors import EmptyReplay, SampleTimeout, StorageNotFound, StorageReplaced
 from ingestd.replay import files
+from ingestd.replay.batches import Out, plan_nodes, td_factory
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
 
@@ -97,9 +98,9 @@ class ReplayReader(MappedStore):
                        for _, shape, _, _, strides in self._groups]
         self._columns = [self.leaves[k] for k in self._layout.columns]
         self._order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
-        self._plans = {(): _plan_nodes(self._order)}  # extra keys -> how to nest the leaves
-        self._outs: dict[int, _Out] = {}  # id of a batch from empty_batch -> its parts
-        self._new_td = _td_factory()
+        self._plans = {(): plan_nodes(self._order)}  # extra keys -> how to nest the leaves
+        self._outs: dict[int, Out] = {}  # id of a batch from empty_batch -> its parts
+        self._new_td = td_factory()
         from ingestd.replay.sampling import Sampling
 
         try:
@@ -222,7 +223,7 @@ class ReplayReader(MappedStore):
         flat = [leaf for block in blocks for leaf in block.unbind(0)] + columns
         extra = self._sampling.extra_keys(n)
         batch = self._build(flat + list(extra.values()), n, self._plan_with(tuple(extra)) if extra else None)
-        self._outs[id(batch)] = _Out(batch, blocks, columns)
+        self._outs[id(batch)] = Out(batch, blocks, columns)
         weakref.finalize(batch, self._outs.pop, id(batch), None)
         return batch
 
@@ -372,7 +373,7 @@ class ReplayReader(MappedStore):
     def _plan_with(self, keys: tuple) -> list:
         plan = self._plans.get(keys)
         if plan is None:
-            plan = self._plans[keys] = _plan_nodes(self._order + list(keys))
+            plan = self._plans[keys] = plan_nodes(self._order + list(keys))
         return plan
 
     # -- prioritized and sequence sampling, policy lag (ingestd.replay.sampling) ------------------
@@ -453,80 +454,3 @@ def slot_indices(value, name: str) -> np.ndarray:
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}; pass the sample's "
                         f"('ingestd', {name!r}) or an integer array")
     return array.astype(np.int64).reshape(-1)
-
-
-def _plan_nodes(order: list) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:
-    """How to build the nested TensorDict from the flat leaves (in ``order``), deepest node
-    first: for each node, its ``(name, leaf position)`` and ``(name, built node)`` entries."""
-    prefixes = {k[:d] for k in order for d in range(len(k))}
-    nodes = sorted(prefixes, key=lambda p: (-len(p), p))
-    number = {p: i for i, p in enumerate(nodes)}
-    plan = []
-    for prefix in nodes:
-        leaves = [(k[-1], i) for i, k in enumerate(order) if k[:-1] == prefix]
-        children = [(p[-1], number[p]) for p in nodes if len(p) == len(prefix) + 1 and p[:-1] == prefix]
-        plan.append((leaves, children))
-    return plan
-
-
-class _Out:
-    """The parts of a batch from ``empty_batch``: a weak reference to it, its blocks of small
-    leaves (``(leaves, n, *shape)`` tensors) and its columns, and a test that its nodes and
-    leaves are still the ones made."""
-
-    __slots__ = ("batch", "blocks", "columns", "unchanged", "_arrays", "_addresses")
-
-    def __init__(self, batch: TensorDict, blocks: list[torch.Tensor], columns: list[torch.Tensor]):
-        self.batch, self.blocks, self.columns = weakref.ref(batch), blocks, columns
-        self.unchanged = _unchanged(batch)
-        self._addresses: list[int] = []
-        self._arrays: list[np.ndarray] = []
-
-    def arrays(self) -> list[np.ndarray]:
-        """The blocks as numpy arrays of their memory as it is now (``share_memory_`` moves it in
-        place); made again only then, as ``Tensor.numpy`` costs a microsecond each."""
-        addresses = [block.data_ptr() for block in self.blocks]
-        if addresses != self._addresses:
-            self._arrays, self._addresses = [block.numpy() for block in self.blocks], addresses
-        return self._arrays
-
-
-def _unchanged(batch: TensorDict) -> Callable[[], bool]:
-    """A test that every node and leaf of ``batch`` is still the object it is now (keys added
-    since do not matter): a dict lookup per entry through tensordict's own mapping when it is a
-    dict (~0.6 us for CartPole rows), else the public ``get`` of every entry (~10 us)."""
-    entries: list[tuple] = []  # (mapping or None, node, name, value)
-
-    def walk(node) -> None:
-        mapping = getattr(node, "_tensordict", None)
-        for name in list(node.keys()):
-            value = node.get(name)
-            entries.append((mapping if isinstance(mapping, dict) else None, node, name, value))
-            if isinstance(value, TensorDictBase):
-                walk(value)
-    walk(batch)
-    if all(mapping is not None for mapping, *_ in entries):
-        fast = [(mapping, name, value) for mapping, _, name, value in entries]
-        return lambda: all(mapping.get(name) is value for mapping, name, value in fast)
-    return lambda: all(node.get(name, None) is value for _, node, name, value in entries)
-
-
-def _td_factory() -> Callable[[dict, torch.Size], TensorDict]:
-    """TensorDict's unchecked constructor when this tensordict has it, else the public one.
-
-    Safe here: every leaf is a CPU tensor with leading dimension ``n`` and every child was
-    built with the same batch size."""
-    def public(node: dict, batch: torch.Size) -> TensorDict:
-        return TensorDict(node, batch_size=batch)
-
-    def fast(node: dict, batch: torch.Size) -> TensorDict:
-        return TensorDict._new_unsafe(source=node, batch_size=batch, nested=False)
-
-    try:
-        probe = fast({"a": torch.zeros(2), "b": fast({"c": torch.ones(2, 1)}, torch.Size([2]))}, torch.Size([2]))
-        if (probe.batch_size == torch.Size([2]) and probe["b", "c"].shape == (2, 1)
-                and set(probe.keys(True, True)) == {"a", ("b", "c")}):
-            return fast
-    except Exception:  # noqa: BLE001 - a tensordict without the private fast path
-        pass
-    return public

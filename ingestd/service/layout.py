@@ -85,8 +85,7 @@ def build_layout(config, paths) -> Layout:
     for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
                            ("replay.path", Path(paths.replay).parent)):
         make_dir(directory, key)
-    for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir)):
-        check_owned(directory, key)
+    # the data and runtime dirs were checked by Daemon.run and lock_runtime_dir, before the locks
     if Path(paths.replay).exists():
         check_owned(paths.replay, "replay.path")
     storage = _open_replay(paths.replay, example, config.replay.capacity)
