@@ -188,3 +188,44 @@ def test_a_fork_that_fails_is_retried_with_backoff_then_marked_failed(tmp_path):
         assert supervisor.stop_all(1.0)  # nothing to join: no crash
     finally:
         stats.close()
+
+
+def _open_fds() -> set[int]:
+    import os
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.mark.parametrize("failing", ["fork", "second pipe"])
+def test_a_failed_fork_closes_the_pipes_it_opened(tmp_path, monkeypatch, failing):
+    """multiprocessing's fork Popen opens two pipes before forking and leaked all four
+    descriptors when the fork (EAGAIN, ENOMEM) or the second pipe (EMFILE) failed; the
+    supervisor retries failed starts, so a host short of processes or descriptors lost more
+    descriptors with every retry."""
+    import errno
+    import os
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    now = [100.0]
+    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(budget=3), clock=lambda: now[0])
+    real_pipe, pipes = os.pipe, []
+
+    def fail_fork():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    def pipe():
+        if pipes:
+            raise OSError(errno.EMFILE, "Too many open files")
+        pipes.append(real_pipe())
+        return pipes[-1]
+
+    try:
+        before = _open_fds()
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "fork", fail_fork) if failing == "fork" else patch.setattr(os, "pipe", pipe)
+            supervisor.scale(1)
+            supervisor.tick()
+        assert supervisor.slots[0].process is None and stats.error(0), stats.error(0)
+        assert not _open_fds() - before  # (another test's garbage may close some meanwhile)
+    finally:
+        supervisor.stop_all(1.0)
+        stats.close()

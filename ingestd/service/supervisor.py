@@ -18,6 +18,7 @@ from typing import Callable
 
 from ingestd.collect.stats import MAX_WORKERS, Desired, State, StatsBlock
 from ingestd.collect.worker import WorkerSpec, worker_main
+from ingestd.service.forking import ForkContext
 
 log = logging.getLogger("ingestd.supervisor")
 EventSink = Callable[..., None]
@@ -66,7 +67,7 @@ class Supervisor:
         worker takes its own."""
         self._make_spec, self.stats, self.policy = make_spec, stats, policy
         self._on_event, self._clock, self._incarnation = on_event, clock, incarnation
-        self._ctx = mp.get_context("fork")
+        self._ctx = ForkContext()
         self.slots: dict[int, Slot] = {}
         self.desired = Desired.RUN
         self._last_hang_kill = float("-inf")
