@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,6 +342,27 @@ def test_a_second_daemon_is_refused_even_when_the_lock_file_was_deleted(tmp_path
         assert [w.pid for w in after.workers] == [w.pid for w in before.workers] and after.workers[0].frames > 0
         assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
         assert first.stop() == 0
+
+
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="needs systemd-tmpfiles (apt install systemd)")
+def test_systemd_tmpfiles_ageing_leaves_a_running_daemons_dirs_alone():
+    """A daemon started outside a login session keeps its runtime files in /tmp/ingestd-<uid>,
+    which a /tmp cleanup (tmpfiles.d age, 10 days on Fedora and Arch) emptied under it: the
+    lock, the weight store, the stats block. The daemon holds a BSD lock on its directories,
+    which systemd-tmpfiles leaves alone; a file beside them is still aged, so the cleanup ran."""
+    with DaemonProc(overrides={"workers.count": 1}) as d:
+        d.wait_ready(rows=100)
+        mine = sorted(p for top in (d.runtime_dir, d.data_dir) for p in top.rglob("*"))
+        assert any(p.name == "ingestd.lock" for p in mine) and any(p.name == "meta.json" for p in mine)
+        stale = d.root / "stale"
+        stale.write_text("")
+        conf = d.root / "age.conf"
+        conf.write_text(f"e {d.root} - - - 1s\n")
+        time.sleep(2.5)  # everything above is older than the age now (ctime counts: it cannot be faked)
+        subprocess.run(["systemd-tmpfiles", "--clean", str(conf)], check=True, capture_output=True, timeout=60)
+        assert not stale.exists()  # the cleanup did age what nobody holds
+        assert [p for p in mine if not p.exists()] == []
+        assert d.stop() == 0
 
 
 def test_a_second_daemon_on_the_same_replay_is_refused(tmp_path):

@@ -95,6 +95,7 @@ class Daemon:
         check_owned(self.paths.data_dir, "service.data_dir")
         self._replay_lock = lock_replay(self.paths.replay)
         self.layout = build_layout(self.config, self.paths)
+        self._pins = [pin_dir(d) for d in (self.paths.runtime_dir, self.paths.data_dir, self.paths.replay)]
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
                                      on_event=self.emit, clock=self.clock,
@@ -309,6 +310,23 @@ def _hold(lock: Path, key: str, busy: str) -> int:
         os.close(fd)
         raise DaemonAlreadyRunning(busy) from None
     return daemon_only(fd)  # a worker's forked children must not keep the lock alive (collect.inherited)
+
+
+def pin_dir(path) -> int | None:
+    """Hold a shared flock on the directory ``path`` for the daemon's lifetime: systemd-tmpfiles
+    does not age anything below a directory someone holds a BSD lock on (tmpfiles.d(5)). Without
+    it, the default runtime dir ``/tmp/ingestd-<uid>`` of a daemon started outside a login
+    session loses its weight store, stats block and socket files to a ``/tmp`` cleanup (10 days
+    on Fedora and Arch) while the daemon runs. None if the directory cannot be opened."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("cannot open %s to keep systemd-tmpfiles from ageing it: %s", path, exc)
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)  # shared: waits only while systemd-tmpfiles scans it (LOCK_EX)
+    return daemon_only(fd)
 
 
 def _answering(path: str) -> bool:
