@@ -75,6 +75,21 @@ def slow_start(ctx, seconds: float = 2.0):
     return make_env("Checksum", ctx, {})
 
 
+class SlowSteps(_Wrapped):
+    """Every step takes ``step_s`` (a slow simulator); the daemon's one-sub-env probe does not wait."""
+
+    def __init__(self, ctx, step_s: float = 0.5):
+        super().__init__(ctx)
+        self.step_s = step_s if ctx.num_envs > 1 else 0.0
+
+    def fault(self, transition):
+        time.sleep(self.step_s)
+
+
+def slow_steps(ctx, **kw):
+    return SlowSteps(ctx, **kw)
+
+
 def failing_build(ctx, only_worker: int = -1):
     """A Checksum env that worker ``only_worker`` (every worker: -1) cannot build: it fails
     before it ever runs (the daemon's one-sub-env schema probe builds it fine)."""

@@ -35,7 +35,7 @@ storage copying them again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -72,9 +72,12 @@ class Finished:
 class Rollout:
     """Steps one batched env with one policy and stamps every transition."""
 
-    def __init__(self, env: Env, policy: Policy, worker: int, episode_base: int, chunk_steps: int):
+    def __init__(self, env: Env, policy: Policy, worker: int, episode_base: int, chunk_steps: int,
+                 beat: Callable[[], None] = lambda: None):
+        """``beat`` is called after every step (the worker's heartbeat: a chunk may take longer
+        than the heartbeat timeout, a step may not)."""
         n, t = env.num_envs, chunk_steps
-        self.env, self.policy, self.chunk_steps = env, policy, chunk_steps
+        self.env, self.policy, self.chunk_steps, self._beat = env, policy, chunk_steps, beat
         self._n = n
         # carried from chunk to chunk: the state of the step about to be taken
         # sub-env i's episodes are episode_base + i, then + num_envs per finished episode: unique ids
@@ -123,10 +126,11 @@ class Rollout:
         self._step_np[0], self._episode_np[0] = self._step, self._episode
         per_step: list[dict] = []
         dones: list[torch.Tensor] = []
-        policy, env, root = self.policy, self.env, self._root
+        policy, env, root, beat = self.policy, self.env, self._root, self._beat
         for t in range(steps):
             self._stamp(root, t)
             transition, root = env.step_and_maybe_reset(policy(root))
+            beat()
             leaves = _leaves_of(transition)
             if t == 0:
                 if not self._buffers_fit(leaves):

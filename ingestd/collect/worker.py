@@ -107,6 +107,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, stats: StatsBlock):
         self.spec, self.stats = spec, stats
         self.rec = stats[spec.index]
+        self._heartbeats, self._clock = stats.records["heartbeat"], time.monotonic  # _beat runs every env step
 
     def run(self) -> None:
         import torch
@@ -140,7 +141,7 @@ class Worker:
         self.version = self._apply_weights(weights, policy, -1)
         self.extras = ChunkExtras(spec, env, policy, seeds, rec)
         rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
-                          spec.chunk_steps)
+                          spec.chunk_steps, beat=self._beat)
         try:
             self._loop(rollout, storage, weights, policy)
         finally:
@@ -214,7 +215,9 @@ class Worker:
         rec["chunk_seconds"] = seconds
 
     def _beat(self) -> None:
-        self.rec["heartbeat"] = time.monotonic()
+        """A heartbeat: before every chunk and after every env step, so only a step (not a chunk)
+        slower than ``heartbeat_timeout_s`` is a hang. ~0.1 us: a store through a field view."""
+        self._heartbeats[self.spec.index] = self._clock()
 
 
 def build_env_and_policy(spec: WorkerSpec, seed: int, episode_base: int, num_envs: int | None = None):

@@ -356,7 +356,9 @@ class WorkersConfig:
     device: str = setting("cpu", "Torch device the workers run env and policy on.",
                           Pattern(r"[a-z]+(:\d+)?", "a torch device such as cpu, cuda or cuda:1"))
     heartbeat_timeout_s: float = setting(
-        5.0, "A running worker whose heartbeat is older than this is considered hung and restarted.",
+        5.0, "A running worker whose heartbeat is older than this is considered hung and restarted. Workers "
+        "beat after every env step, so this bounds one step (the policy's action and the env's step), "
+        "not a whole chunk.",
         Float(0.0), live=True)
     restart_backoff_s: float = setting(0.1, "First delay before restarting a dead worker; doubles per failure.",
                                        Float(0.0), live=True)
