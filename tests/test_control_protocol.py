@@ -584,3 +584,30 @@ def test_fast_handlers_never_wait_for_the_main_thread():
     assert {"ping", "status", "config"} <= set(fast)
     for cmd, run in fast.items():
         assert "on_main" not in inspect.getsource(run), f"fast command {cmd} waits for the main thread"
+
+
+def test_a_pause_the_main_loop_never_took_is_taken_back_from_the_workers(tmp_path):
+    """A pause (or resume) that timed out before the main loop took it is reported "not run",
+    but the workers had been told already: they paused while the daemon's desired state said
+    run, and a later restart brought them back paused (docs review)."""
+    import time
+    from types import SimpleNamespace
+
+    from ingestd.collect.stats import Desired, StatsBlock
+    from ingestd.control import handlers
+    from ingestd.control.context import Context
+    from ingestd.control.protocol import RequestError
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    try:
+        stats[0]["desired"], stats[1]["desired"] = Desired.RUN, Desired.STOP  # 1 is on its way out
+        daemon = _MainLoop(take_after=None)
+        daemon.layout = SimpleNamespace(stats=stats)
+        daemon.supervisor = SimpleNamespace(slots={0: None, 1: None})
+        ctx = Context(daemon=daemon, events_address="", publish=lambda *a, **k: None)
+        with pytest.raises(RequestError, match="it was not run") as err:
+            handlers._set_desired(ctx, Desired.PAUSE, time.monotonic() + 0.1)
+        assert err.value.code == "timeout"
+        assert [int(stats[i]["desired"]) for i in (0, 1)] == [Desired.RUN, Desired.STOP]
+    finally:
+        stats.close()

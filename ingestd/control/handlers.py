@@ -98,10 +98,13 @@ def _set_desired(ctx: Context, desired: Desired, deadline: float) -> dict[int, i
     """
     daemon = ctx.daemon
     stats = daemon.layout.stats
+    told = []  # (index, what it was told before)
     for index in ctx.slots():
         rec = stats[index]
-        if int(rec["desired"]) in (Desired.RUN, Desired.PAUSE):
+        before = int(rec["desired"])
+        if before in (Desired.RUN, Desired.PAUSE):
             rec["desired"] = desired
+            told.append((index, before))
 
     def authoritative() -> dict[int, int]:
         daemon.set_desired(desired)
@@ -111,7 +114,14 @@ def _set_desired(ctx: Context, desired: Desired, deadline: float) -> dict[int, i
         return {i: int(stats[i]["pid"]) for i in daemon.supervisor.live()
                 if not (daemon.supervisor.slots[i].restarting or stats.state(i) == State.FAILED)}
 
-    return ctx.on_main(authoritative, deadline)
+    try:
+        return ctx.on_main(authoritative, deadline)
+    except RequestError as exc:
+        if exc.code == ErrorCode.TIMEOUT:  # "it was not run": take back what the workers were told
+            for index, before in told:  # (a word the main thread has changed since is its own)
+                if int(stats[index]["desired"]) == desired:
+                    stats[index]["desired"] = before
+        raise
 
 
 def _locked_change(ctx: Context, request: Request, change: Callable[[float], Any], what: str) -> tuple[Any, float]:
