@@ -114,3 +114,19 @@ def forking(ctx, pid_file: str = "", seconds: float = 120.0):
         with open(pid_file, "a") as f:
             f.write(f"{pid}\n")
     return make_env("Checksum", ctx, {})
+
+
+def odd_policy(spec, mode: str = "flat"):
+    """A policy for a continuous-action env that does not fit it: ``flat`` actions ``[B]``
+    instead of ``[B, *action_shape]``, ``float64`` ones, ``key`` (no ``action``: another key),
+    or ``raise`` (fails on the first observation)."""
+
+    def act(td):
+        n = td.batch_size[0]
+        if mode == "raise":
+            raise RuntimeError("simulated policy failure")
+        shape = (n,) if mode == "flat" else (n, *spec.action_shape)
+        action = torch.zeros(shape, dtype=torch.float64 if mode == "float64" else spec.action_dtype)
+        td.set("act" if mode == "key" else "action", action)
+        return td
+    return act

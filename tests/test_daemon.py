@@ -413,7 +413,17 @@ STARTUP_FAILURES = {
     # an env and policy or a feature that cannot work together: every worker would crash-loop
     "continuous actions": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}'], "workers.policy",
                            "discrete action space"),
-    "kwargs value": (["workers.policy_kwargs={epsilon=2.0}"], "'workers'", "epsilon must be in [0, 1]"),
+    "kwargs value": (["workers.policy_kwargs={epsilon=2.0}"], "'workers.policy'", "epsilon must be in [0, 1]"),
+    # a policy whose actions do not fit the env (they were stored as they came, or failed deep in
+    # the env with a traceback and exit 1: a restart loop under systemd)
+    **{f"policy {mode}": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
+                           'workers.policy="faulty_envs:odd_policy"', f'workers.policy_kwargs={{mode="{mode}"}}'],
+                          "workers.policy", why)
+       for mode, why in (("flat", "float32[1] actions, but env Gym takes float32[1, 1]"), ("float64", "float64[1, 1]"),
+                         ("key", "no 'action' tensor"), ("raise", "simulated policy failure"))},
+    "env step": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", g="heavy"}',
+                  'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="fits"}'],
+                 "workers.env", "failed stepping"),
     "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
                        "NoSuchEnv"),
     "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",
@@ -429,6 +439,9 @@ STARTUP_FAILURES = {
     **({"runtime dir of another uid": (['service.runtime_dir="{tmp}/theirs"'], "service.runtime_dir",
                                        "owned by uid 4242")} if os.geteuid() == 0 else {}),
 }
+
+
+FAILED_FIRST_STEP = {"policy raise", "env step"}
 
 
 @pytest.fixture(scope="module")
@@ -454,7 +467,10 @@ def test_config_errors_found_at_startup_exit_78_naming_the_key(case, startup_fai
     _, named, why = STARTUP_FAILURES[case]
     status, stderr, tmp = startup_failures[case]
     assert status == 78, stderr
-    assert named in stderr and why in stderr and "Traceback" not in stderr, stderr
+    assert named in stderr and why in stderr, stderr
+    # a failure inside the user's env or policy code keeps its traceback (in the log, before the
+    # one-line reason); a value the config got wrong needs none
+    assert ("Traceback" in stderr) == (case in FAILED_FIRST_STEP), stderr
     assert not (tmp / "data" / "replay").exists(), "nothing may be created before the config is valid"
 
 

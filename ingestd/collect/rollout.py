@@ -113,6 +113,7 @@ class Rollout:
     def rows_per_chunk(self) -> int:
         return self.chunk_steps * self._n
 
+    @torch.no_grad()  # as TorchRL's collectors: a policy module builds no autograd graph
     def chunk(self, policy_version: int, into: Mapping[tuple, torch.Tensor] | None = None
               ) -> tuple[TensorDict, Finished]:
         """Roll ``chunk_steps`` steps; returns the rows and the finished episodes.

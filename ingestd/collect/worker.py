@@ -222,19 +222,33 @@ class Worker:
 
 def build_env_and_policy(spec: WorkerSpec, seed: int, episode_base: int, num_envs: int | None = None):
     """Construct the configured env and policy (also used by the daemon for the schema)."""
-    from ingestd.collect.features import component_seeds, seeded_policy_kwargs
-    from ingestd.collect.interfaces import EnvContext
-    from ingestd.collect.registry import make_env, make_policy, resolve_policy
+    env = build_env(spec, seed, episode_base, num_envs)
+    try:
+        return env, build_policy(spec, env, seed)
+    except BaseException:
+        env.close()
+        raise
 
-    seeds = component_seeds(seed)
-    ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=seeds.env, worker=spec.index,
+
+def build_env(spec: WorkerSpec, seed: int, episode_base: int, num_envs: int | None = None):
+    from ingestd.collect.features import component_seeds
+    from ingestd.collect.interfaces import EnvContext
+    from ingestd.collect.registry import make_env
+
+    ctx = EnvContext(num_envs=num_envs or spec.num_envs, seed=component_seeds(seed).env, worker=spec.index,
                      episode_base=episode_base, device=spec.device)
-    env = make_env(spec.env, ctx, dict(spec.env_kwargs))
-    kwargs = seeded_policy_kwargs(resolve_policy(spec.policy), spec.policy_kwargs, seeds.policy)
+    return make_env(spec.env, ctx, dict(spec.env_kwargs))
+
+
+def build_policy(spec: WorkerSpec, env, seed: int):
+    from ingestd.collect.features import component_seeds, seeded_policy_kwargs
+    from ingestd.collect.registry import make_policy, resolve_policy
+
+    kwargs = seeded_policy_kwargs(resolve_policy(spec.policy), spec.policy_kwargs, component_seeds(seed).policy)
     policy = make_policy(spec.policy, env.spec, kwargs)
     if hasattr(policy, "to") and spec.device != "cpu":
         policy = policy.to(spec.device)
-    return env, policy
+    return policy
 
 
 def _attach_weights(path: str, policy):

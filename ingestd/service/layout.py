@@ -16,7 +16,7 @@ from ingestd.collect.features import check_device
 from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
-from ingestd.collect.worker import WorkerSpec, build_env_and_policy
+from ingestd.collect.worker import WorkerSpec, build_env, build_policy
 from ingestd.errors import ConfigError, CorruptStorage, IngestdError
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
@@ -256,29 +256,80 @@ def _newest_stored_version(storage: ReplayStorage) -> int:
 
 
 def _example_rows(spec: WorkerSpec, seed: int):
-    """One real transition from the configured env and policy: the storage schema. An env and
-    policy that cannot work together (spaces the adapter or the policy does not take), or a
-    feature the env does not support, is a config error here, before any worker crash-loops on it."""
+    """One real transition from the configured env and policy: the storage schema. An env or
+    policy that cannot be built, that do not work together (an action of another shape or dtype
+    than the env's spec, spaces the adapter or the policy does not take), or a feature the env
+    does not support, is a config error here (exit 78, before any worker crash-loops on it); a
+    failure of the first step keeps its traceback in the log."""
     from ingestd.collect.features import StepLimit, random_policy
 
     torch.manual_seed(seed)
-    try:  # the factories get the config's kwargs: a value they refuse is a config error
-        env, policy = build_env_and_policy(spec, seed, episode_base=0, num_envs=1)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:
-        log.debug("building env %s and policy %s failed", spec.env, spec.policy, exc_info=True)
-        raise ConfigError("workers", f"env {spec.env} with {dict(spec.env_kwargs)} and policy {spec.policy} with "
-                                     f"{dict(spec.policy_kwargs)} could not be built: {exc} (the traceback is "
-                                     "logged with service.log_level = \"debug\")") from None
-    try:  # errors past here are the env's or ingestd's bugs, not the config's: they keep their traceback
+    env = _built("workers.env", f"env {spec.env} with env_kwargs {dict(spec.env_kwargs)}",
+                 lambda: build_env(spec, seed, episode_base=0, num_envs=1))
+    try:
+        policy = _built("workers.policy", f"policy {spec.policy} with policy_kwargs {dict(spec.policy_kwargs)}",
+                        lambda: build_policy(spec, env, seed))
         if spec.max_episode_steps > 0:
             StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
         if spec.init_random_frames > 0:
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
-        rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0)
+        _check_action(spec, env, policy)
+        rows = _first_step(spec, env, policy)
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
         rows = schema_rows(rows, spec.n_step, spec.gamma)
     return rows, policy
+
+
+def _built(key: str, what: str, build):
+    """``build()``; a value the factory refuses (ValueError, TypeError) is a config error."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        log.debug("building %s failed", what, exc_info=True)
+        raise ConfigError(key, f"{what} could not be built: {exc} (the traceback is logged with "
+                               "service.log_level = \"debug\")") from None
+
+
+def _check_action(spec: WorkerSpec, env, policy) -> None:
+    """The policy's action for the env's first observation has the env spec's shape and dtype:
+    a wrong one would be stored as it is (a 2-vector for Pendulum's 1, float64 for float32)."""
+    with torch.no_grad():
+        out = _stepping("workers.policy", f"policy {spec.policy} failed on the env's first observation",
+                        lambda: policy(env.reset()))
+    action = out.get("action", None) if hasattr(out, "get") else None
+    want_shape, want_dtype = (env.num_envs, *env.spec.action_shape), env.spec.action_dtype
+    if not isinstance(action, torch.Tensor):
+        raise ConfigError("workers.policy", f"policy {spec.policy} returned no 'action' tensor (got "
+                                            f"{type(out).__name__}); a policy returns its input TensorDict with "
+                                            "'action' set")
+    if tuple(action.shape) != want_shape or action.dtype != want_dtype:
+        raise ConfigError("workers.policy", f"policy {spec.policy} acts with {_described(action.shape, action.dtype)} "
+                                            f"actions, but env {spec.env} takes {_described(want_shape, want_dtype)} "
+                                            "(the first dimension is num_envs); make the policy fit the env's "
+                                            "spec (EnvSpec.action_shape and action_dtype)")
+
+
+def _described(shape, dtype) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+def _first_step(spec: WorkerSpec, env, policy):
+    rows, _ = _stepping("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+                        lambda: Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0))
+    return rows
+
+
+def _stepping(key: str, what: str, step):
+    """``step()``; any error is a config error naming ``key`` (no restart makes a deterministic
+    first step work), with its traceback logged."""
+    try:
+        return step()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        log.error("%s:", what, exc_info=True)
+        raise ConfigError(key, f"{what}: {type(exc).__name__}: {exc} (the traceback is in the log above)") from None
