@@ -470,3 +470,31 @@ def test_a_failed_profile_is_answered_once_not_run_again_into_the_error_text(tmp
         assert not list(tmp_path.glob("error*")) and not list(Path.cwd().glob("error: *"))
     finally:
         stats.close()
+
+
+def test_old_profile_traces_are_removed_before_a_new_one(tmp_path):
+    """Traces piled up in <runtime_dir>/profiles, which is RAM under systemd (75 MB for two
+    1 s traces in the soak review). The newest KEEP_TRACES - 1 stay, plus the one ordered next;
+    partial traces stay only while their writer lives."""
+    import os
+    import subprocess
+
+    from ingestd.collect import profiling
+
+    traces = []
+    for i in range(profiling.KEEP_TRACES + 3):
+        path = tmp_path / f"worker0-2026120{i % 10}T000000-{i:06d}.json"
+        path.write_text("{}")
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+        traces.append(path)
+    gone = subprocess.Popen(["true"])  # a pid that is gone once waited for
+    gone.wait()
+    dead, live = tmp_path / f"{traces[-1].name}.tmp{gone.pid}", tmp_path / f"{traces[-1].name}.tmp{os.getpid()}"
+    dead.write_text(""), live.write_text("")
+    other = tmp_path / "notes.txt"
+    other.write_text("")
+    removed = profiling.prune(tmp_path)
+    kept = sorted(p for p in tmp_path.iterdir())
+    assert sorted(removed) == sorted(traces[:4] + [dead])
+    assert kept == sorted(traces[4:] + [live, other])
+    assert profiling.prune(tmp_path / "missing") == []

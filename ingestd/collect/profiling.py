@@ -109,6 +109,37 @@ def request(rec, path: str | os.PathLike, seconds: float) -> int:
     return seq
 
 
+KEEP_TRACES = 8  # traces kept in <runtime_dir>/profiles (RAM under systemd: /run), the new one included
+
+
+def prune(folder: Path, keep: int = KEEP_TRACES) -> list[Path]:
+    """Make room for one more trace in ``folder``: remove all but the newest ``keep - 1`` traces,
+    and partial ones (``*.tmp<pid>``) whose writer is gone. Returns what was removed."""
+    try:
+        entries = [entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    traces = sorted((e for e in entries if e.name.startswith("worker") and e.name.endswith(".json")),
+                    key=lambda e: e.stat(follow_symlinks=False).st_mtime)
+    stale = [e for e in entries if ".json.tmp" in e.name and not _alive(e.name.rsplit(".tmp", 1)[1])]
+    removed = []
+    for entry in traces[:max(0, len(traces) - (keep - 1))] + stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # someone else's process: alive
+        pass
+    return True
+
+
 def outcome(rec, seq: int) -> tuple[bool, str] | None:
     """``(ok, path or error)`` once the worker answered request ``seq``, else ``None``."""
     done = int(rec["profile_done"])

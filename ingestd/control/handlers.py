@@ -342,6 +342,8 @@ def profile(ctx: Context, request: Profile) -> dict:
     if not ctx.profile_lock.acquire(blocking=False):  # waiting would hold a slow-command thread for minutes
         raise RequestError(ErrorCode.BUSY, "another profile is being recorded; try again once it is written")
     try:
+        for old in profiling.prune(path.parent):  # /run is RAM: traces of up to 600 s are tens of MB each
+            log.info("removed the old profile trace %s (the newest %d are kept)", old, profiling.KEEP_TRACES)
         pid = int(rec["pid"])
         seq = profiling.request(rec, path, request.seconds)
         done, _ = ctx.wait({index: pid}, lambda i, p, r: True if profiling.outcome(r, seq) else None, deadline,
