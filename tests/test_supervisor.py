@@ -229,3 +229,21 @@ def test_a_failed_fork_closes_the_pipes_it_opened(tmp_path, monkeypatch, failing
     finally:
         supervisor.stop_all(1.0)
         stats.close()
+
+
+def test_a_worker_scaled_back_goes_on_counting_and_has_no_old_error(sleepers):
+    """A worker scaled away and back had its restarts set to 0 while frames, episodes and the
+    last error carried over from its predecessor (soak review): restarts in status and
+    ``ingestd_worker_restarts_total`` went back. Every counter of a slot now goes on; the error,
+    which belongs to the old worker, is cleared."""
+    supervisor, stats, procs, now = sleepers
+    supervisor._start = lambda index, slot: None
+    stats[1]["restarts"], stats[1]["frames"], stats[1]["episodes"] = 3, 4096, 17
+    stats.set_error(1, "RuntimeError: the old worker's")
+    supervisor.scale(1)
+    procs[1].stop()
+    supervisor.tick()  # reaped: the slot is gone
+    assert 1 not in supervisor.slots
+    supervisor.scale(2)
+    assert (int(stats[1]["restarts"]), int(stats[1]["frames"]), int(stats[1]["episodes"])) == (3, 4096, 17)
+    assert stats.error(1) == ""

@@ -78,9 +78,10 @@ class Supervisor:
             raise ValueError(f"worker count must be within 0..{MAX_WORKERS}, got {count}")
         for index in range(count):
             slot = self.slots.get(index)
-            if slot is None:
+            if slot is None:  # a new worker in this slot: its counters (frames, episodes, restarts)
+                # go on from the slot's earlier ones, as Prometheus counters must; an old error is not its own
                 self.slots[index] = Slot(self._make_spec(index), start_at=self._clock())
-                self.stats[index]["restarts"] = 0
+                self.stats.set_error(index, "")
                 self.stats[index]["desired"] = self.desired
             elif slot.retiring:  # asked to stop but not gone yet: keep it, running
                 slot.retiring = False
