@@ -15,6 +15,7 @@ from ingestd.collect.envs.cartpole import THETA_THRESHOLD, X_THRESHOLD
 from ingestd.collect.envs.checksum import MAX_LENGTH, MIN_LENGTH, mix64, tuple_hash
 from ingestd.collect.interfaces import Env, EnvContext
 from ingestd.collect.policies import Random
+from ingestd.errors import ConfigError
 
 
 def ctx(num_envs=4, seed=0, worker=0, episode_base=0) -> EnvContext:
@@ -174,6 +175,15 @@ def test_gym_truncation_is_not_termination():
 def test_gym_rejects_unsupported_spaces():
     with pytest.raises(ValueError, match="not supported"):
         Gym(ctx(), id="Blackjack-v1")  # Tuple observation space
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"idd": "Pendulum-v1"}, {"id": 3}])
+def test_gym_needs_an_id(kwargs):
+    """Without an id the adapter made CartPole-v1: a typo'd key failed as "CartPoleEnv got an
+    unexpected keyword argument 'idd'", and a missing one ran the wrong env."""
+    with pytest.raises(ConfigError, match="needs env_kwargs.id") as err:
+        Gym(ctx(), **kwargs)
+    assert err.value.key == "workers.env_kwargs"
 
 
 def test_gym_without_gymnasium_says_how_to_install(monkeypatch):

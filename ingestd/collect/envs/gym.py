@@ -37,8 +37,12 @@ def _import_gymnasium():
 class Gym(TorchEnv):
     """A gymnasium vector env (sync, same-step autoreset) in the TorchRL layout."""
 
-    def __init__(self, ctx: EnvContext, id: str = "CartPole-v1", **gym_kwargs):
+    def __init__(self, ctx: EnvContext, id: str | None = None, **gym_kwargs):
         gymnasium = _import_gymnasium()
+        if not isinstance(id, str) or not id:  # no default: a typo'd "idd" made CartPole-v1 and failed on "idd"
+            extra = f" (got the keys {sorted(gym_kwargs)})" if gym_kwargs else ""
+            raise ConfigError("workers.env_kwargs", f"the Gym env needs env_kwargs.id, a gymnasium env id such "
+                                                    f"as \"CartPole-v1\" or \"Pendulum-v1\"{extra}")
         self.id = id
         try:
             self._env = gymnasium.make_vec(
