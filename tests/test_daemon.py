@@ -270,7 +270,11 @@ def test_config_default_and_check(tmp_path):
     good.write_text(out)
     ok = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(good)],
                         capture_output=True, text=True, timeout=30)
-    assert ok.returncode == 0, ok.stderr
+    assert ok.returncode == 0 and "max_message_bytes" not in ok.stderr, ok.stderr
+    # weights no push could carry: said (not an error: a policy may never be pushed to)
+    small = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(good),
+                            "--set", "control.max_message_bytes=1024"], capture_output=True, text=True, timeout=30)
+    assert small.returncode == 0 and "over control.max_message_bytes (1024)" in small.stderr, small.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[workers]\ncount = 1.5\n")
     res = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(bad)],

@@ -76,7 +76,21 @@ def check_buildable(config, paths):
     check_factories(config.workers)
     check_device(config.workers.device)
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
-    return _example_rows(probe, config.service.seed)
+    rows, policy = _example_rows(probe, config.service.seed)
+    _check_pushable(policy, config.control.max_message_bytes)
+    return rows, policy
+
+
+def _check_pushable(policy, max_message_bytes: int) -> None:
+    """Warn if the policy's weights are too large for any push to reach it (a policy that is
+    never pushed to may be that large: not an error)."""
+    if not isinstance(policy, torch.nn.Module):
+        return
+    size = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    if size > max_message_bytes:
+        log.warning("the policy's weights are %d bytes, over control.max_message_bytes (%d): no push_weights "
+                    "can reach it; raise control.max_message_bytes above %d to push", size, max_message_bytes,
+                    size + (1 << 20))
 
 
 def build_layout(config, paths) -> Layout:
