@@ -184,7 +184,7 @@ class Supervisor:
             slot.restarting = False
             rec["restarts"] += 1
             slot.start_at = now
-            self._on_event("worker.restarted", worker=index, reason="requested")
+            self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
         slot.failures = 1 if rec["chunks"] > 0 else slot.failures + 1
         error = self.stats.error(index)

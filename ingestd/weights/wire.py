@@ -236,8 +236,10 @@ def tensors_of(state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
         if not isinstance(name, str) or not name:
             raise BadWeights(f"state dict keys must be non-empty strings, got {_short(name)}")
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_quantized:
-            raise BadWeights(f"{name!r} is a {type(value).__name__} ({getattr(value, 'layout', '-')}), "
-                             "expected a dense torch.Tensor")
+            kind = type(value).__name__ if not isinstance(value, torch.Tensor) else \
+                f"{'quantized' if value.is_quantized else value.layout} tensor"
+            raise BadWeights(f"{name!r} is a {kind}, expected a dense torch.Tensor"
+                             + (" (torch.from_numpy makes one)" if type(value).__module__ == "numpy" else ""))
         dtype_name(value.dtype)
         if value.is_meta:
             raise BadWeights(f"{name!r} is a meta tensor: it has no data (a module built on the meta device and "
