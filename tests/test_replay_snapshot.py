@@ -340,23 +340,28 @@ def test_cli(shm_dir, capsys):
     src = filled(shm_dir / "src", "cartpole", 256, rows=200)
     assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
     assert "200 rows" in capsys.readouterr().out
-    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 1
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 73  # EX_CANTCREAT
     assert "already exists" in capsys.readouterr().err
     assert cli.main(["replay", "restore", str(shm_dir / "snap"), str(shm_dir / "dst")]) == 0
     assert "storage restored at" in capsys.readouterr().out
-    assert cli.main(["replay", "restore", str(shm_dir / "nope"), str(shm_dir / "dst2")]) == 1
+    assert cli.main(["replay", "restore", str(shm_dir / "nope"), str(shm_dir / "dst2")]) == 66  # EX_NOINPUT
     assert "no snapshot" in capsys.readouterr().err
+    assert cli.main(["replay", "restore", str(shm_dir / "snap"), str(shm_dir / "dst")]) == 73
+    capsys.readouterr()
+    (shm_dir / "snap" / "seq.lz4").write_bytes(b"damaged")
+    assert cli.main(["replay", "restore", str(shm_dir / "snap"), str(shm_dir / "dst3")]) == 65  # EX_DATAERR
+    assert "snap" in capsys.readouterr().err and not (shm_dir / "dst3").exists()
 
 
 def test_cli_errors_name_what_the_operator_got_wrong(shm_dir, capsys):
     src = filled(shm_dir / "src", "cartpole", 256, rows=200)
-    assert cli.main(["replay", "snapshot", src, str(shm_dir / "missing" / "snap")]) == 1
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "missing" / "snap")]) == 74  # EX_IOERR: not the source
     err = capsys.readouterr().err
     assert f"{shm_dir / 'missing'} does not exist" in err and ".partial-" not in err  # not our temp name
     assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
     capsys.readouterr()
     # the arguments of restore given to snapshot: a snapshot is not a storage, and nothing is "incomplete"
-    assert cli.main(["replay", "snapshot", str(shm_dir / "snap"), str(shm_dir / "again")]) == 1
+    assert cli.main(["replay", "snapshot", str(shm_dir / "snap"), str(shm_dir / "again")]) == 65
     err = capsys.readouterr().err
     assert "is a snapshot" in err and "ingestd replay restore" in err and "incomplete" not in err
     assert not (shm_dir / "again").exists() and leftovers(shm_dir) == []
@@ -367,7 +372,7 @@ def test_a_file_given_as_the_storage_is_named_a_file(shm_dir, capsys):
     exists (a typo naming replay/meta.json, say); it goes through files.read_meta, which says what it is."""
     source = shm_dir / "meta.json"
     source.write_text("{}")
-    assert cli.main(["replay", "snapshot", str(source), str(shm_dir / "snap")]) == 1
+    assert cli.main(["replay", "snapshot", str(source), str(shm_dir / "snap")]) == 65
     err = capsys.readouterr().err
     assert "is a file, not a storage directory" in err and "does not exist" not in err, err
     assert not (shm_dir / "snap").exists() and leftovers(shm_dir) == []

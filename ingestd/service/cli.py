@@ -9,6 +9,7 @@ import sys
 EX_CONFIG = 78  # sysexits.h: configuration error
 EX_TEMPFAIL = 75  # sysexits.h: temporary failure (another daemon holds the runtime dir)
 EX_USAGE = 64  # sysexits.h: bad arguments (as ingestctl); the systemd unit does not retry it
+EX_DATAERR, EX_NOINPUT, EX_CANTCREAT, EX_IOERR = 65, 66, 73, 74  # sysexits.h (`ingestd replay`)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,10 +60,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _replay(args) -> int:
-    """``ingestd replay snapshot|restore``: one line on success, the reason on failure (exit 1)."""
-    from ingestd.errors import IngestdError
+    """``ingestd replay snapshot|restore``: one line on success; on failure the reason and a
+    sysexits status: 66 no such source, 65 a source that is not a usable storage or snapshot,
+    73 a destination that exists, 74 any other I/O error (no room, no access)."""
+    from ingestd.errors import (BadSnapshot, CorruptStorage, IngestdError, SchemaMismatch, SnapshotExists,
+                                StorageNotFound)
     from ingestd.replay import snapshot
 
+    source = args.storage if args.replay_command == "snapshot" else args.snapshot
     try:
         if args.replay_command == "snapshot":
             info = snapshot.save(args.storage, args.dest)
@@ -70,7 +75,13 @@ def _replay(args) -> int:
             info = snapshot.restore(args.snapshot, args.dest)
     except (IngestdError, OSError) as exc:
         print(f"ingestd: replay {args.replay_command} failed: {exc}", file=sys.stderr)
-        return 1
+        if not os.path.lexists(source):
+            return EX_NOINPUT
+        if isinstance(exc, SnapshotExists):
+            return EX_CANTCREAT
+        if isinstance(exc, (BadSnapshot, CorruptStorage, SchemaMismatch, StorageNotFound)):
+            return EX_DATAERR
+        return EX_IOERR
     done = "snapshot written to" if args.replay_command == "snapshot" else "storage restored at"
     print(f"{done} {info.path}: {info.rows} rows (capacity {info.capacity}, write_count {info.write_count}"
           f"{f', {info.skipped} being written left out' if info.skipped else ''}), "
