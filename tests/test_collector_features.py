@@ -257,6 +257,27 @@ def test_daemon_warmup_episode_limit_and_budget():
     assert torch.equal(rows["observation"], torch.stack((w, i, e, s), 1))
 
 
+def test_daemon_warms_up_a_continuous_env_within_its_action_bounds():
+    """A SAC setup's warm-up (TorchRL: init_random_frames with RandomPolicy(action_spec)) was a
+    config error for continuous actions. Pendulum's Box bounds reach the spec; warm-up rows act
+    uniformly within [-2, 2], later rows with the configured policy (zeros here)."""
+    warmup = 4 * CHUNK
+    overrides = {"workers.env": "Gym", "workers.env_kwargs": {"id": "Pendulum-v1"}, "workers.count": 1,
+                 "workers.policy": "faulty_envs:odd_policy", "workers.policy_kwargs": {"mode": "fits"},
+                 "workers.init_random_frames": warmup, "workers.total_frames": warmup + 4 * CHUNK}
+    tests = str(Path(__file__).parent)
+    with DaemonProc(overrides=overrides, env={"PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}) as d:
+        d.wait_ready(rows=warmup + 4 * CHUNK)
+        assert d.stop() == 0
+        rows = stored_rows(d.replay_path)
+    action, version = rows["action"], rows["ingestd", "policy_version"]
+    assert action.shape[1:] == (1,) and action.dtype == torch.float32
+    random = action[version == WARMUP_VERSION]
+    assert random.shape[0] >= warmup and bool((random.abs() <= 2.0).all())
+    assert float(random.min()) < -1.0 and float(random.max()) > 1.0  # spread over the range, not clipped
+    assert bool((action[version >= 0] == 0).all()) and int((version >= 0).sum()) > 0  # (no weights: version 0)
+
+
 def _seeded_run(seed: int, restart: bool = False):
     overrides = {"workers.env": "CartPole", "workers.policy": "MLP", "workers.count": 1, "service.seed": seed,
                  "workers.policy_kwargs": {"epsilon": 0.5}, "workers.total_frames": 8 * CHUNK}

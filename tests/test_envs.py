@@ -172,6 +172,12 @@ def test_gym_truncation_is_not_termination():
     assert not any(any(tr) for _, tr in flags[:4] + flags[5:9])
 
 
+def test_gym_box_actions_bring_their_bounds():
+    spec = Gym(ctx(), id="Pendulum-v1").spec
+    assert (spec.action_shape, spec.action_low, spec.action_high) == ((1,), (-2.0,), (2.0,))
+    assert Gym(ctx(), id="CartPole-v1").spec.action_low is None
+
+
 def test_gym_rejects_unsupported_spaces():
     with pytest.raises(ValueError, match="not supported"):
         Gym(ctx(), id="Blackjack-v1")  # Tuple observation space

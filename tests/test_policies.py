@@ -1,6 +1,8 @@
 """Built-in policies: action shapes and ranges, epsilon, stable state_dict names."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -53,6 +55,32 @@ def test_random_is_uniform_and_seeded(seed):
     again = Random(SIX, seed=seed)(root(SIX, 1000))["action"]
     assert torch.equal(again, draws[:1000]) and not torch.equal(draws[:1000], draws[1000:2000])
     assert not isinstance(policy, torch.nn.Module)  # it takes no weights
+
+
+BOUNDED = EnvSpec((3,), torch.float32, (2,), torch.float32, None, action_low=(-2.0, 0.0), action_high=(2.0, 0.5))
+
+
+def test_random_draws_bounded_continuous_actions_uniformly():
+    """The warm-up of a SAC setup (TorchRL's RandomPolicy(action_spec)): uniform within the
+    env's bounds, float32 [B, *action_shape], reproducible from the seed."""
+    actions = Random(BOUNDED, seed=5)(root(BOUNDED, 20_000))["action"]
+    assert actions.shape == (20_000, 2) and actions.dtype == torch.float32
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 0.5])
+    assert bool(((actions >= low) & (actions <= high)).all())
+    quarters = ((actions - low) / (high - low) * 4).long().clamp(0, 3)
+    for k in range(2):
+        counts = torch.bincount(quarters[:, k], minlength=4)
+        assert counts.min() > 4_500 and counts.max() < 5_500, counts
+    assert torch.equal(Random(BOUNDED, seed=5)(root(BOUNDED, 20_000))["action"], actions)
+
+
+@pytest.mark.parametrize("low, high, why", [((-1.0,), (1.0,), "one per element"),
+                                            ((-math.inf, 0.0), (1.0, 1.0), "finite bounds"),
+                                            ((1.0, 0.0), (0.0, 1.0), "low <= high")])
+def test_random_refuses_bounds_it_cannot_draw_from(low, high, why):
+    spec = EnvSpec((3,), torch.float32, (2,), torch.float32, None, action_low=low, action_high=high)
+    with pytest.raises(ValueError, match=why):
+        Random(spec)
 
 
 @pytest.mark.parametrize("factory", [Random, MLP])

@@ -119,14 +119,14 @@ class StepLimit:
 
 # -- warm-up and budget --------------------------------------------------------------------------
 def random_policy(spec: EnvSpec, seed: int):
-    """The uniform random policy of the warm-up (discrete action spaces)."""
+    """The uniform random policy of the warm-up: discrete actions, or bounded continuous ones."""
     from ingestd.collect.policies import Random
 
-    if spec.num_actions is None or spec.action_shape != ():
-        raise ConfigError("workers.init_random_frames",
-                          "the warm-up's uniform random policy needs a discrete action space; this env's "
-                          f"actions have shape {spec.action_shape}; set init_random_frames = 0")
-    return Random(spec, seed=seed)
+    try:
+        return Random(spec, seed=seed)
+    except ConfigError as exc:
+        raise ConfigError("workers.init_random_frames", f"the warm-up's random policy cannot act on this env: "
+                                                        f"{exc.message}; set init_random_frames = 0") from None
 
 
 @dataclass(frozen=True)

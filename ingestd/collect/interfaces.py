@@ -51,6 +51,10 @@ class EnvSpec:
     action_shape: tuple[int, ...]  # () for a discrete action index
     action_dtype: torch.dtype
     num_actions: int | None = None  # discrete action count, None for continuous
+    # continuous actions: the bounds of each action element (flattened, C order), if the env has
+    # them (a gymnasium Box's low and high); the Random policy and the warm-up draw within them
+    action_low: tuple[float, ...] | None = None
+    action_high: tuple[float, ...] | None = None
 
 
 @runtime_checkable

@@ -49,17 +49,44 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 class Random:
-    """``Random(spec, seed=None)``: uniform actions in ``0..num_actions-1``.
+    """``Random(spec, seed=None)``: uniform actions, in ``0..num_actions-1`` for a discrete
+    action space, in ``[action_low, action_high]`` for a continuous one with finite bounds.
     Not a module: it has no weights to receive."""
 
     def __init__(self, spec: EnvSpec, seed: int | None = None):
-        self.num_actions = _num_actions(spec, "the Random policy")
         self._gen = _generator(seed)
+        self.num_actions = self._low = self._span = None
+        if spec.num_actions is not None and spec.action_shape == ():
+            self.num_actions = spec.num_actions
+            return
+        low, high = _bounds(spec)
+        self._low, self._span, self._dtype = low, high - low, spec.action_dtype
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        action = torch.randint(0, self.num_actions, td.batch_size, generator=self._gen)  # CPU stream
+        if self.num_actions is not None:
+            action = torch.randint(0, self.num_actions, td.batch_size, generator=self._gen)  # CPU stream
+        else:
+            u = torch.rand((*td.batch_size, *self._low.shape), generator=self._gen, dtype=torch.float64)
+            action = (self._low + u * self._span).to(self._dtype)
         td.set("action", action if td.device is None else action.to(td.device))
         return td
+
+
+def _bounds(spec: EnvSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A continuous action space's finite bounds, shaped like one action (float64)."""
+    size = math.prod(spec.action_shape)
+    bounds = (spec.action_low, spec.action_high)
+    if any(b is None or len(b) != size for b in bounds) or not spec.action_dtype.is_floating_point:
+        raise ConfigError("workers.policy", "uniform random actions need a discrete action space (num_actions "
+                                            "set, action_shape ()) or a float one with bounds (EnvSpec.action_low "
+                                            f"and action_high, one per element); got action_shape={spec.action_shape}, "
+                                            f"action_dtype={spec.action_dtype}, num_actions={spec.num_actions}, "
+                                            f"action_low={spec.action_low}, action_high={spec.action_high}")
+    low, high = (torch.tensor(b, dtype=torch.float64).reshape(spec.action_shape) for b in bounds)
+    if not (torch.isfinite(low).all() and torch.isfinite(high).all() and (low <= high).all()):
+        raise ConfigError("workers.policy", f"uniform random actions need finite bounds with low <= high; this "
+                                            f"env's are {spec.action_low} .. {spec.action_high}")
+    return low, high
 
 
 class _QNet(nn.Module):

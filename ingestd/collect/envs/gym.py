@@ -116,7 +116,9 @@ def _spec_of(id: str, obs_space, action_space, spaces) -> tuple[EnvSpec, int | N
         spec = EnvSpec(obs_shape, obs_dtype, (), torch.int64, int(action_space.n))
         return spec, int(action_space.start)
     if isinstance(action_space, spaces.Box):
-        return EnvSpec(obs_shape, obs_dtype, tuple(action_space.shape), torch.float32, None), None
+        low, high = (tuple(float(v) for v in np.asarray(b, dtype=np.float64).reshape(-1))
+                     for b in (action_space.low, action_space.high))
+        return EnvSpec(obs_shape, obs_dtype, tuple(action_space.shape), torch.float32, None, low, high), None
     raise ConfigError("workers.env", f"gym env {id!r}: action space {action_space} is not supported; "
                      "the Gym adapter takes Discrete or Box actions")
 
