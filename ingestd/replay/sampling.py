@@ -39,6 +39,7 @@ SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
 _REJECT_ROUNDS = 32  # rounds of re-drawing rejected rows before listing the eligible slots
 _MAX_ROUNDS = 256
+_OVERSAMPLE_CAP = 1 << 16  # most slots drawn at once to find the recent ones among them
 _DRAW_ROUNDS = 8  # descents per prioritized draw before giving up (the tree keeps changing)
 _POLL_S = 0.002
 PRIORITY_EPS = 1e-6
@@ -227,6 +228,7 @@ class Sampling:
             return None
         records, columns, bad = r._copy(slots, into)
         bad = self._rejected(records, bad, n)
+        accept = 1.0 - (0 if bad is None else bad.size) / n  # the share of draws kept: how many more to draw
         rounds = 0
         while bad is not None:
             rounds += 1
@@ -236,7 +238,7 @@ class Sampling:
                 draw = self._eligible_draw(filled)
                 if draw is None:
                     return None
-            fresh = draw(bad.size)
+            fresh = self._candidates(draw, bad.size, accept)
             if fresh is None:
                 return None
             sub_records, sub_columns, sub_bad = r._copy(fresh)
@@ -248,6 +250,24 @@ class Sampling:
             still = self._rejected(sub_records, sub_bad, bad.size)
             bad = None if still is None else bad[still]
         return records, columns, slots
+
+    def _candidates(self, draw: Callable[[int], np.ndarray | None], k: int, accept: float) -> np.ndarray | None:
+        """``k`` slots to copy in place of rejected rows. With the lag filter on, about
+        ``k / accept`` are drawn and those whose stamp is already too old are left out before
+        anything is copied: rejection sampling still (each kept slot is a draw of the sampler
+        restricted to recent rows), but in a round or two instead of a round per halving when
+        most rows are old (16 rounds per batch with 28 % eligible). The copy checks again."""
+        if self._min_version is None:
+            return draw(k)
+        m = min(_OVERSAMPLE_CAP, int(k / max(accept, 1 / _OVERSAMPLE_CAP) * 1.25) + 8)
+        slots = draw(max(k, m))
+        if slots is None:
+            return None
+        recent = self.reader._arrays[POLICY_VERSION][slots] >= self._min_version
+        kept = slots[recent][:k]
+        if kept.size < k:  # too few: some old ones, rejected after the copy and drawn again
+            kept = np.concatenate((kept, slots[~recent][:k - kept.size]))
+        return kept
 
     def _rejected(self, records: np.ndarray, bad: np.ndarray | None, n: int) -> np.ndarray | None:
         """Positions to re-draw: the seqlock's ``bad`` plus rows older than the lag allows."""
