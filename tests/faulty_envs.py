@@ -2,6 +2,7 @@
 (``faulty_envs:Raising`` with ``tests/`` on PYTHONPATH)."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -37,7 +38,14 @@ class _Wrapped:
 
 
 class Raising(_Wrapped):
+    def __init__(self, ctx, connection: bool = False, **kw):
+        """``connection``: raise ConnectionRefusedError (a simulator server not up yet)."""
+        super().__init__(ctx, **kw)
+        self.connection = connection
+
     def fault(self, transition):
+        if self.connection:
+            raise ConnectionRefusedError("simulated simulator server not up yet")
         raise RuntimeError("simulated env failure in step")
 
 
@@ -116,17 +124,17 @@ def forking(ctx, pid_file: str = "", seconds: float = 120.0):
     return make_env("Checksum", ctx, {})
 
 
-def odd_policy(spec, mode: str = "flat"):
-    """A policy for a continuous-action env that does not fit it: ``flat`` actions ``[B]``
-    instead of ``[B, *action_shape]``, ``float64`` ones, ``key`` (no ``action``: another key),
-    or ``raise`` (fails on the first observation)."""
+def odd_policy(spec, mode: str = "fits"):
+    """Zero actions for a continuous-action env: ``fits`` its spec; ``wide`` has twice the
+    elements, ``int64`` the wrong kind, ``key`` none (another key), ``raise`` fails on the first
+    observation (all refused); ``flat`` (``[B]`` for ``[B, 1]``) and ``float64`` are accepted."""
 
     def act(td):
         n = td.batch_size[0]
         if mode == "raise":
             raise RuntimeError("simulated policy failure")
-        shape = (n,) if mode == "flat" else (n, *spec.action_shape)
-        action = torch.zeros(shape, dtype=torch.float64 if mode == "float64" else spec.action_dtype)
-        td.set("act" if mode == "key" else "action", action)
+        shape = {"flat": (n,), "wide": (n, 2 * math.prod(spec.action_shape))}.get(mode, (n, *spec.action_shape))
+        dtype = {"float64": torch.float64, "int64": torch.int64}.get(mode, spec.action_dtype)
+        td.set("act" if mode == "key" else "action", torch.zeros(shape, dtype=dtype))
         return td
     return act

@@ -282,6 +282,35 @@ def test_config_default_and_check(tmp_path):
     assert res.returncode == 78 and "workers.count" in res.stderr
 
 
+def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart():
+    """The probe's verdicts, through `ingestd config check` (what `run` checks first): an action
+    of another float dtype, or of as many elements in another shape, passes the action check with
+    a warning (envs may take them, and replays were made so: refusing them broke deployments),
+    and the env decides (Pendulum takes float64 actions, but fails on [B] ones: exit 78 naming
+    workers.env, with the warning and the env's traceback); an error in the env's own step is exit
+    78 with its traceback; a transient one (a simulator server not up yet) keeps exit 1, which
+    systemd retries."""
+    pendulum = ["workers.env=\"Gym\"", "workers.env_kwargs={id=\"Pendulum-v1\"}",
+                "workers.policy=\"faulty_envs:odd_policy\""]
+    cases = {
+        "flat": (pendulum + ["workers.policy_kwargs={mode=\"flat\"}"], 78, "float32[1] actions, env Gym's spec says"),
+        "float64": (pendulum + ["workers.policy_kwargs={mode=\"float64\"}"], 0, "stored as the policy makes them"),
+        "bug": (["workers.env=\"faulty_envs:raising\""], 78, "simulated env failure in step"),
+        "transient": (["workers.env=\"faulty_envs:raising\"", "workers.env_kwargs={connection=true}"], 1,
+                      "ConnectionRefusedError"),
+    }
+    procs = {case: subprocess.Popen([sys.executable, "-m", "ingestd.service.cli", "config", "check", "/dev/null",
+                                     *[a for s in settings for a in ("--set", s)]],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **PLUGIN_ENV})
+             for case, (settings, _, _) in cases.items()}
+    for case, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        _, status, said = cases[case]
+        assert proc.returncode == status and said in stderr, (case, proc.returncode, stderr[-2000:])
+        assert ("Traceback" in stderr) == (case != "float64"), (case, stderr[-2000:])
+
+
 @pytest.mark.parametrize("line,key", [('env = "no_such_package.envs:make"', "workers.env"),
                                       ("policy_kwargs = { bogus = 1 }", "workers.policy_kwargs")])
 def test_config_check_refuses_what_run_would_refuse(line, key, tmp_path):
@@ -423,8 +452,9 @@ STARTUP_FAILURES = {
     **{f"policy {mode}": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
                            'workers.policy="faulty_envs:odd_policy"', f'workers.policy_kwargs={{mode="{mode}"}}'],
                           "workers.policy", why)
-       for mode, why in (("flat", "float32[1] actions, but env Gym takes float32[1, 1]"), ("float64", "float64[1, 1]"),
-                         ("key", "no 'action' tensor"), ("raise", "simulated policy failure"))},
+       for mode, why in (("wide", "float32[1, 2] actions, but env Gym takes float32[1, 1]"),
+                         ("int64", "int64[1, 1] actions"), ("key", "no 'action' tensor"),
+                         ("raise", "simulated policy failure"))},
     "env step": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", g="heavy"}',
                   'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="fits"}'],
                  "workers.env", "failed stepping"),

@@ -353,6 +353,27 @@ def test_cli(shm_dir, capsys):
     assert "snap" in capsys.readouterr().err and not (shm_dir / "dst3").exists()
 
 
+def test_cli_says_an_unreadable_snapshot_is_an_io_error_not_a_damaged_one(shm_dir, capsys, monkeypatch):
+    """A snapshot the user may not read was reported "not a usable snapshot" (65), and a missing
+    one behind a link counted as present."""
+    from pathlib import Path
+
+    src = filled(shm_dir / "src", "cartpole", 256, rows=50)
+    assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
+    capsys.readouterr()
+    (shm_dir / "dangling").symlink_to(shm_dir / "nowhere")
+    assert cli.main(["replay", "restore", str(shm_dir / "dangling"), str(shm_dir / "d1")]) == 66
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "snapshot.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", denied)
+    assert cli.main(["replay", "restore", str(shm_dir / "snap"), str(shm_dir / "d2")]) == 74  # EX_IOERR
+    assert "Permission denied" in capsys.readouterr().err and not (shm_dir / "d2").exists()
+
+
 def test_cli_errors_name_what_the_operator_got_wrong(shm_dir, capsys):
     src = filled(shm_dir / "src", "cartpole", 256, rows=200)
     assert cli.main(["replay", "snapshot", src, str(shm_dir / "missing" / "snap")]) == 74  # EX_IOERR: not the source

@@ -157,3 +157,22 @@ def test_episode_ids_are_unique_over_sub_envs_workers_and_incarnations():
                 owners.setdefault(episode, set()).add((incarnation, env_index))
     assert len(owners) > 3 * ENVS * 2  # several episodes per sub-env
     assert all(len(o) == 1 for o in owners.values()), "an episode id was used by two sub-envs"
+
+
+def test_a_policy_module_with_grad_acts_under_no_grad():
+    """Workers act under torch.no_grad() as TorchRL's collectors do: a SAC actor written as a
+    plain nn.Module built an autograd graph every step, and the gym adapter failed on its
+    actions ("Can't call numpy() on Tensor that requires grad")."""
+    from ingestd.collect.envs import Gym
+
+    env = Gym(EnvContext(num_envs=2, seed=0, worker=0, episode_base=0), id="Pendulum-v1")
+    actor = torch.nn.Linear(3, 1)
+
+    def policy(td):
+        td.set("action", torch.tanh(actor(td.get("observation"))) * 2)
+        return td
+    try:
+        rows, _ = Rollout(env, policy, worker=0, episode_base=0, chunk_steps=4).chunk(0)
+    finally:
+        env.close()
+    assert rows["action"].shape == (8, 1) and not rows["action"].requires_grad

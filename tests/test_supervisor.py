@@ -247,3 +247,43 @@ def test_a_worker_scaled_back_goes_on_counting_and_has_no_old_error(sleepers):
     supervisor.scale(2)
     assert (int(stats[1]["restarts"]), int(stats[1]["frames"]), int(stats[1]["episodes"])) == (3, 4096, 17)
     assert stats.error(1) == ""
+
+
+def _register_exit_note(path: str) -> None:
+    import atexit
+
+    atexit.register(lambda: open(path, "w").close())
+
+
+def test_forked_workers_run_their_atexit_handlers_as_the_stdlib_fork_does(tmp_path):
+    """ingestd forks workers with its own copy of the stdlib's fork launch (to close pipes on a
+    failed fork); the child's side must stay the stdlib's: Python 3.13 runs the atexit handlers
+    a forked child registers, earlier versions do not."""
+    import multiprocessing as mp
+
+    from ingestd.service.forking import ForkContext
+
+    outcomes = []
+    for name, ctx in (("stdlib", mp.get_context("fork")), ("ingestd", ForkContext())):
+        note = tmp_path / name
+        process = ctx.Process(target=_register_exit_note, args=(str(note),))
+        process.start()
+        process.join(30)
+        assert process.exitcode == 0
+        outcomes.append(note.exists())
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+def test_a_stop_overwritten_by_a_racing_pause_is_told_again(sleepers):
+    """A pause or resume from the control thread writes every worker's desired word; one that
+    raced a scale-down (or a withdrawn one writing back its old value) could replace the stop a
+    retiring worker was sent, and nothing sent it again."""
+    from ingestd.collect.stats import Desired
+
+    supervisor, stats, procs, now = sleepers
+    stats[0]["heartbeat"] = stats[1]["heartbeat"] = now[0]
+    supervisor.scale(1)
+    assert int(stats[1]["desired"]) == Desired.STOP
+    stats[1]["desired"] = Desired.PAUSE  # the racing write
+    supervisor.tick()
+    assert int(stats[1]["desired"]) == Desired.STOP and int(stats[0]["desired"]) == Desired.RUN

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -222,13 +222,13 @@ def keepalive(beat, every_s: float = 0.5):
 class ChunkExtras:
     """Everything the features add around one worker's chunks; built once in ``Worker.run``."""
 
-    def __init__(self, spec, env, policy, seeds: Seeds, rec):
+    def __init__(self, spec, env, policy, seeds: Seeds, rec, beat: Callable[[], None]):
+        """``beat``: the worker's heartbeat (kept going while a compiled policy compiles)."""
         from ingestd.collect.nstep import NStep
         from ingestd.collect.profiling import ProfileRequests
 
         self.env = StepLimit(env, spec.max_episode_steps) if spec.max_episode_steps > 0 else env
-        self.acting = compiled(policy, lambda: rec.__setitem__("heartbeat", time.monotonic())) \
-            if spec.compile_policy else policy
+        self.acting = compiled(policy, beat) if spec.compile_policy else policy
         self.schedule = Schedule(spec.init_random_frames, spec.total_frames)
         self.random = random_policy(env.spec, seeds.policy ^ 0x5EED) if spec.init_random_frames > 0 else None
         self.nstep = NStep(spec.n_step, spec.gamma, env.num_envs) if spec.n_step > 1 else None

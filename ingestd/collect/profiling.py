@@ -115,29 +115,23 @@ KEEP_TRACES = 8  # traces kept in <runtime_dir>/profiles (RAM under systemd: /ru
 def prune(folder: Path, keep: int = KEEP_TRACES) -> list[Path]:
     """Make room for one more trace in ``folder``: remove all but the newest ``keep - 1`` traces,
     and partial ones (``*.tmp<pid>``) whose writer is gone. Returns what was removed."""
+    from ingestd.collect.stats import pid_alive
+
     try:
-        entries = [entry for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
-    except FileNotFoundError:
+        entries = [(entry, entry.stat(follow_symlinks=False)) for entry in os.scandir(folder)
+                   if entry.is_file(follow_symlinks=False)]
+    except OSError:  # no folder yet, or one this process cannot list: nothing to remove
         return []
-    traces = sorted((e for e in entries if e.name.startswith("worker") and e.name.endswith(".json")),
-                    key=lambda e: e.stat(follow_symlinks=False).st_mtime)
-    stale = [e for e in entries if ".json.tmp" in e.name and not _alive(e.name.rsplit(".tmp", 1)[1])]
+    traces = sorted(((e, st) for e, st in entries if e.name.startswith("worker") and e.name.endswith(".json")),
+                    key=lambda item: item[1].st_mtime)
+    stale = [(e, st) for e, st in entries if ".json.tmp" in e.name
+             and not pid_alive(int(e.name.rsplit(".tmp", 1)[1]) if e.name.rsplit(".tmp", 1)[1].isdigit() else 0)]
     removed = []
-    for entry in traces[:max(0, len(traces) - (keep - 1))] + stale:
-        with contextlib.suppress(FileNotFoundError):
+    for entry, _ in traces[:max(0, len(traces) - (keep - 1))] + stale:
+        with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
             os.unlink(entry.path)
             removed.append(Path(entry.path))
     return removed
-
-
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # someone else's process: alive
-        pass
-    return True
 
 
 def outcome(rec, seq: int) -> tuple[bool, str] | None:

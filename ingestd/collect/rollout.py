@@ -110,6 +110,11 @@ class Rollout:
         self._root = env.reset()
 
     @property
+    def root(self) -> TensorDictBase:
+        """The root the next step acts on (the env's reset, at first)."""
+        return self._root
+
+    @property
     def rows_per_chunk(self) -> int:
         return self.chunk_steps * self._n
 

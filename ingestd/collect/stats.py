@@ -80,6 +80,17 @@ RECORD = np.dtype([
 ], align=True)
 
 
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie (a dead, unreaped worker is not live)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 class StatsBlock:
     """Maps the stats file; ``records[i]`` is worker ``i``'s record (a numpy void view)."""
 

@@ -139,9 +139,10 @@ class Worker:
             env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
-        self.extras = ChunkExtras(spec, env, policy, seeds, rec)
-        rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
-                          spec.chunk_steps, beat=self._beat)
+        self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
+        with keepalive(self._beat):  # the env's first reset (a simulator loading a scene) may be slow too
+            rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
+                              spec.chunk_steps, beat=self._beat)
         try:
             self._loop(rollout, storage, weights, policy)
         finally:

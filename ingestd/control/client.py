@@ -254,7 +254,9 @@ class ControlClient:
         """``BadWeights`` for a push larger than the daemon takes: libzmq would drop the
         connection without a reply, which looks like a daemon that is down. Asked once (a
         ``ping``, at this client's first push)."""
-        size = sum(len(f) for f in frames) + 1024  # + the JSON header
+        from ingestd.weights.wire import PUSH_OVERHEAD
+
+        size = sum(len(f) for f in frames) + PUSH_OVERHEAD  # + the JSON header
         if self._max_message_bytes is None:
             self.ping()
         limit = self._max_message_bytes

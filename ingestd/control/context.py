@@ -17,23 +17,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ingestd.collect.stats import pid_alive  # noqa: F401 - handlers import it from here
 from ingestd.control.commands import Request
 from ingestd.control.protocol import ErrorCode, Preencoded, RequestError
 
 POLL_S = 0.0005  # how often a waiting command re-reads the stats blocks
 LIVENESS_EVERY = 20  # polls between /proc liveness checks of the workers waited for
 RATE_WINDOW_S = 5.0
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie (a dead, unreaped worker is not live)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 class FrameRates:

@@ -187,8 +187,19 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
         if meta["capacity"] != info["capacity"]:
             raise ValueError(f"capacity {info['capacity']} differs from meta.json's {meta['capacity']}")
     except (OSError, ValueError, CorruptStorage) as exc:
+        _raise_if_io(exc)
         raise BadSnapshot(f"{snapshot} is not a usable snapshot: {exc}") from None
     return info, meta
+
+
+# errors reading a snapshot that say nothing about its data: raised as they are (no access, a
+# failing disk, no memory or descriptors), not as a damaged snapshot
+_IO_ERRNOS = frozenset((errno.EACCES, errno.EPERM, errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE))
+
+
+def _raise_if_io(exc: BaseException) -> None:
+    if isinstance(exc, OSError) and exc.errno in _IO_ERRNOS:
+        raise exc
 
 
 # -- rows ----------------------------------------------------------------------------------------
@@ -239,6 +250,7 @@ def _fill_rows(store: ReplayStorage, path: Path, block: int) -> None:
             if f.read(1):  # also makes lz4 check the frame's content checksum
                 raise BadSnapshot(f"{path} holds more data than its storage's capacity")
     except (RuntimeError, EOFError, OSError) as exc:
+        _raise_if_io(exc)
         raise BadSnapshot(f"{path} is damaged: {exc}") from None
 
 
@@ -300,6 +312,7 @@ def _read_lz4(path: Path, sizes: list[int]) -> list[bytes]:
             out = [f.read(size) for size in sizes]
             extra = f.read(1)
     except (RuntimeError, EOFError, OSError) as exc:
+        _raise_if_io(exc)
         raise BadSnapshot(f"{path} is damaged: {exc}") from None
     if extra or [len(part) for part in out] != sizes:
         raise BadSnapshot(f"{path} has the wrong size for its storage's capacity")

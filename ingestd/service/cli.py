@@ -59,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing(path) -> bool:
+    """Nothing at ``path`` (or a link to nothing); a path this process may not look at is not
+    missing (EX_IOERR)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        pass
+    return False
+
+
 def _replay(args) -> int:
     """``ingestd replay snapshot|restore``: one line on success; on failure the reason and a
     sysexits status: 66 no such source, 65 a source that is not a usable storage or snapshot,
@@ -75,10 +87,10 @@ def _replay(args) -> int:
             info = snapshot.restore(args.snapshot, args.dest)
     except (IngestdError, OSError) as exc:
         print(f"ingestd: replay {args.replay_command} failed: {exc}", file=sys.stderr)
-        if not os.path.lexists(source):
-            return EX_NOINPUT
         if isinstance(exc, SnapshotExists):
             return EX_CANTCREAT
+        if _missing(source):
+            return EX_NOINPUT
         if isinstance(exc, (BadSnapshot, CorruptStorage, SchemaMismatch, StorageNotFound)):
             return EX_DATAERR
         return EX_IOERR

@@ -325,8 +325,19 @@ def pin_dir(path) -> int | None:
     except OSError as exc:
         log.warning("cannot open %s to keep systemd-tmpfiles from ageing it: %s", path, exc)
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)  # shared: waits only while systemd-tmpfiles scans it (LOCK_EX)
-    return daemon_only(fd)
+    for attempt in range(20):  # tmpfiles holds LOCK_EX only while it scans; anyone else may hold it longer
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return daemon_only(fd)
+        except BlockingIOError:
+            time.sleep(0.1)
+        except OSError as exc:  # ENOLCK...
+            log.warning("cannot lock %s to keep systemd-tmpfiles from ageing it: %s", path, exc)
+            break
+    else:
+        log.warning("%s is locked by another process; systemd-tmpfiles may age the files in it", path)
+    os.close(fd)
+    return None
 
 
 def _answering(path: str) -> bool:

@@ -5,12 +5,19 @@ that fails closes what it opened.
 the fork (EAGAIN: the process limit; ENOMEM) or the second pipe (EMFILE) fails: four
 descriptors per failed start, and the supervisor retries failed starts. Short of descriptors
 is exactly when a leak hurts most.
+
+The child's side is the stdlib's, version for version (``test_supervisor`` checks that an
+``atexit`` handler a worker registers runs, or not, as with the stdlib's fork context).
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import sys
 from multiprocessing import popen_fork, util
+
+_HONOR_ATEXIT = sys.version_info >= (3, 13)
 
 
 class _Popen(popen_fork.Popen):
@@ -27,10 +34,15 @@ class _Popen(popen_fork.Popen):
         if self.pid == 0:
             code = 1
             try:
+                if _HONOR_ATEXIT:  # as the stdlib child does from 3.13 (gh-83856): the child's own handlers run
+                    atexit._clear()
+                    atexit.register(util._exit_function)
                 os.close(parent_r)
                 os.close(parent_w)
                 code = process_obj._bootstrap(parent_sentinel=child_r)
             finally:
+                if _HONOR_ATEXIT:
+                    atexit._run_exitfuncs()
                 os._exit(code)
         os.close(child_w)
         os.close(child_r)

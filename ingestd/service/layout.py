@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -84,13 +85,15 @@ def check_buildable(config, paths):
 def _check_pushable(policy, max_message_bytes: int) -> None:
     """Warn if the policy's weights are too large for any push to reach it (a policy that is
     never pushed to may be that large: not an error)."""
-    if not isinstance(policy, torch.nn.Module):
+    if not isinstance(policy, torch.nn.Module) or not policy.state_dict():
         return
-    size = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    from ingestd.weights.wire import PUSH_OVERHEAD, encode
+
+    size = sum(len(frame) for frame in encode(policy)) + PUSH_OVERHEAD  # what a push of them sends
     if size > max_message_bytes:
-        log.warning("the policy's weights are %d bytes, over control.max_message_bytes (%d): no push_weights "
-                    "can reach it; raise control.max_message_bytes above %d to push", size, max_message_bytes,
-                    size + (1 << 20))
+        log.warning("a push of the policy's weights is %d bytes (lz4), over control.max_message_bytes (%d): "
+                    "push_weights of these weights would be refused; raise control.max_message_bytes above %d",
+                    size, max_message_bytes, size)
 
 
 def build_layout(config, paths) -> Layout:
@@ -271,24 +274,29 @@ def _newest_stored_version(storage: ReplayStorage) -> int:
 
 def _example_rows(spec: WorkerSpec, seed: int):
     """One real transition from the configured env and policy: the storage schema. An env or
-    policy that cannot be built, that do not work together (an action of another shape or dtype
-    than the env's spec, spaces the adapter or the policy does not take), or a feature the env
-    does not support, is a config error here (exit 78, before any worker crash-loops on it); a
-    failure of the first step keeps its traceback in the log."""
+    policy that cannot be built, that do not work together (an action with another number of
+    elements than the env's spec, a float action for a discrete env or the reverse, spaces the
+    adapter or the policy does not take), or a feature the env does not support, is a config
+    error here (exit 78, before any worker crash-loops on it); an error raised by the env's or
+    the policy's own code in the first reset, action or step too, with its traceback logged."""
     from ingestd.collect.features import StepLimit, random_policy
 
     torch.manual_seed(seed)
-    env = _built("workers.env", f"env {spec.env} with env_kwargs {dict(spec.env_kwargs)}",
-                 lambda: build_env(spec, seed, episode_base=0, num_envs=1))
+    env = _guarded("workers.env", f"env {spec.env} with env_kwargs {dict(spec.env_kwargs)} could not be built",
+                   lambda: build_env(spec, seed, episode_base=0, num_envs=1), _REFUSED_VALUE)
     try:
-        policy = _built("workers.policy", f"policy {spec.policy} with policy_kwargs {dict(spec.policy_kwargs)}",
-                        lambda: build_policy(spec, env, seed))
+        policy = _guarded("workers.policy", f"policy {spec.policy} with policy_kwargs "
+                          f"{dict(spec.policy_kwargs)} could not be built", lambda: build_policy(spec, env, seed),
+                          _REFUSED_VALUE)
         if spec.max_episode_steps > 0:
             StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
         if spec.init_random_frames > 0:
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
-        _check_action(spec, env, policy)
-        rows = _first_step(spec, env, policy)
+        rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
+                           lambda: Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1), Exception)
+        _check_action(spec, env, policy, rollout)
+        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+                           lambda: rollout.chunk(0), Exception)
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
@@ -296,54 +304,57 @@ def _example_rows(spec: WorkerSpec, seed: int):
     return rows, policy
 
 
-def _built(key: str, what: str, build):
-    """``build()``; a value the factory refuses (ValueError, TypeError) is a config error."""
+_REFUSED_VALUE = (ValueError, TypeError)  # what a factory raises for a kwargs value it refuses
+# not the config's fault: a restart may fix them (a simulator server not up yet, a GPU another
+# process fills), so they keep exit status 1 and systemd's retries
+_TRANSIENT = (OSError, MemoryError, TimeoutError, torch.cuda.OutOfMemoryError)
+
+
+def _guarded(key: str, what: str, call, errors):
+    """``call()``; ``errors`` it raises (but transient ones) are a config error naming ``key``.
+    A factory refusing a value needs no traceback (logged at debug); an error in the env's or
+    policy's own code keeps it, in the log before the one-line reason."""
     try:
-        return build()
+        return call()
     except ConfigError:
         raise
-    except (ValueError, TypeError) as exc:
-        log.debug("building %s failed", what, exc_info=True)
-        raise ConfigError(key, f"{what} could not be built: {exc} (the traceback is logged with "
-                               "service.log_level = \"debug\")") from None
+    except _TRANSIENT:
+        raise
+    except errors as exc:
+        refused = errors is _REFUSED_VALUE
+        log.log(logging.DEBUG if refused else logging.ERROR, "%s:", what, exc_info=True)
+        where = 'logged with service.log_level = "debug"' if refused else "in the log above"
+        detail = str(exc) if refused else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(key, f"{what}: {detail} (the traceback is {where})") from None
 
 
-def _check_action(spec: WorkerSpec, env, policy) -> None:
-    """The policy's action for the env's first observation has the env spec's shape and dtype:
-    a wrong one would be stored as it is (a 2-vector for Pendulum's 1, float64 for float32)."""
+def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
+    """The policy's action for the env's first observation fits the env's spec: as many
+    elements per sub-env, and a float action for a float spec (an integer one for a discrete
+    spec). A 2-vector for Pendulum's 1 was stored as it came. Another shape of as many elements
+    (``[B]`` for ``[B, 1]``) or another dtype of the same kind (int32 for int64, float64 for
+    float32) is stored as the policy makes it, with a warning: envs take those, and a replay
+    made that way before must keep opening."""
     with torch.no_grad():
-        out = _stepping("workers.policy", f"policy {spec.policy} failed on the env's first observation",
-                        lambda: policy(env.reset()))
+        out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation",
+                       lambda: policy(rollout.root.clone()), Exception)
     action = out.get("action", None) if hasattr(out, "get") else None
-    want_shape, want_dtype = (env.num_envs, *env.spec.action_shape), env.spec.action_dtype
     if not isinstance(action, torch.Tensor):
         raise ConfigError("workers.policy", f"policy {spec.policy} returned no 'action' tensor (got "
                                             f"{type(out).__name__}); a policy returns its input TensorDict with "
                                             "'action' set")
+    want_shape, want_dtype = (env.num_envs, *env.spec.action_shape), env.spec.action_dtype
+    got, want = _described(action.shape, action.dtype), _described(want_shape, want_dtype)
+    per_env = math.prod(action.shape[1:]) if action.dim() else 0
+    if (action.dim() == 0 or action.shape[0] != env.num_envs or per_env != math.prod(env.spec.action_shape)
+            or action.dtype.is_floating_point != want_dtype.is_floating_point):
+        raise ConfigError("workers.policy", f"policy {spec.policy} acts with {got} actions, but env {spec.env} "
+                                            f"takes {want} (the first dimension is num_envs); make the policy fit "
+                                            "the env's spec (EnvSpec.action_shape and action_dtype)")
     if tuple(action.shape) != want_shape or action.dtype != want_dtype:
-        raise ConfigError("workers.policy", f"policy {spec.policy} acts with {_described(action.shape, action.dtype)} "
-                                            f"actions, but env {spec.env} takes {_described(want_shape, want_dtype)} "
-                                            "(the first dimension is num_envs); make the policy fit the env's "
-                                            "spec (EnvSpec.action_shape and action_dtype)")
+        log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
+                    "them", spec.policy, got, spec.env, want)
 
 
 def _described(shape, dtype) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
-
-
-def _first_step(spec: WorkerSpec, env, policy):
-    rows, _ = _stepping("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
-                        lambda: Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1).chunk(0))
-    return rows
-
-
-def _stepping(key: str, what: str, step):
-    """``step()``; any error is a config error naming ``key`` (no restart makes a deterministic
-    first step work), with its traceback logged."""
-    try:
-        return step()
-    except ConfigError:
-        raise
-    except Exception as exc:
-        log.error("%s:", what, exc_info=True)
-        raise ConfigError(key, f"{what}: {type(exc).__name__}: {exc} (the traceback is in the log above)") from None

@@ -135,6 +135,8 @@ class Supervisor:
                 self._reap(index, slot, now)
             elif slot.process is not None:
                 self._check_heartbeat(index, slot, now)
+                if (slot.retiring or slot.restarting) and int(self.stats[index]["desired"]) != Desired.STOP:
+                    self.stats[index]["desired"] = Desired.STOP  # a control thread's pause/resume raced the stop
             if slot.start_at is not None and now >= slot.start_at and slot.process is None:
                 self._start(index, slot)
             if slot.retiring and slot.process is None:

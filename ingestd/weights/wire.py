@@ -41,6 +41,7 @@ CODEC = "lz4"
 DEFAULT_MAX_RAW_BYTES = 1 << 30  # 1 GiB of raw tensor bytes (~268M float32 parameters)
 DEFAULT_MAX_MANIFEST_BYTES = 8 << 20
 MAX_NDIM = 32
+PUSH_OVERHEAD = 1024  # bytes a push_weights request adds to the encoded weights (its JSON header, with room)
 _BLOCK_SIZE = lz4.frame.BLOCKSIZE_MAX4MB  # measured faster than the 64 KiB default
 _CHUNK = 4 << 20  # decode reads and writes the payload in pieces of this size
 
