@@ -257,7 +257,7 @@ class Sampling:
         anything is copied: rejection sampling still (each kept slot is a draw of the sampler
         restricted to recent rows), but in a round or two instead of a round per halving when
         most rows are old (16 rounds per batch with 28 % eligible). The copy checks again."""
-        if self._min_version is None:
+        if self._min_version is None or self._version_at is None:  # (no stamp: _rejected filters nothing)
             return draw(k)
         m = min(_OVERSAMPLE_CAP, int(k / max(accept, 1 / _OVERSAMPLE_CAP) * 1.25) + 8)
         slots = draw(max(k, m))
