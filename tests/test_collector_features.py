@@ -229,8 +229,9 @@ def test_daemon_warmup_episode_limit_and_budget():
             written = client.status().replay.write_count
             time.sleep(0.3)
             status = client.status()  # still serving, and collecting nothing more
-            # (seen once in CI: 1088 rows where 1024 were written when both workers showed paused; the
-            # cause is not known yet, so say everything that could explain it)
+            # (seen once in CI: 1088 rows where 1024 were written when both workers showed paused:
+            # status read write_count before the workers' records, so a worker could write its last
+            # chunk and pause in between; it now reads write_count last)
             assert status.replay.write_count == written, (
                 f"rows written after every worker showed the budget pause: {written} -> "
                 f"{status.replay.write_count}; then {_workers(first)}, now {_workers(status)}; log:\n{d.log()[-3000:]}")

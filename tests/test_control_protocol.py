@@ -611,3 +611,24 @@ def test_a_pause_the_main_loop_never_took_is_taken_back_from_the_workers(tmp_pat
         assert [int(stats[i]["desired"]) for i in (0, 1)] == [Desired.RUN, Desired.STOP]
     finally:
         stats.close()
+
+
+def test_status_reads_write_count_after_the_workers(monkeypatch):
+    """A status showing every worker paused by the budget counted 1024 rows while 1088 were
+    written (seen in CI): write_count was read before the workers' records, and a worker wrote
+    its last chunk and paused in between. Read after them, it holds every row they wrote."""
+    from types import SimpleNamespace
+
+    from ingestd.collect.stats import Desired
+    from ingestd.control import handlers
+
+    storage = SimpleNamespace(path="/r", capacity=4096, write_count=1024)
+
+    def workers(ctx, indices, now):
+        storage.write_count = 1088  # the last chunk, written while the records are read
+        return []
+    monkeypatch.setattr(handlers, "_workers_status", workers)
+    daemon = SimpleNamespace(layout=SimpleNamespace(storage=storage, weights=None), started_at=0.0,
+                             supervisor=SimpleNamespace(desired=Desired.RUN, count=2))
+    ctx = SimpleNamespace(daemon=daemon, metrics_url=lambda: "", slots=lambda: [0, 1], config_json=lambda: {})
+    assert handlers._status(ctx)["replay"]["write_count"] == 1088

@@ -72,12 +72,15 @@ def _status(ctx: Context) -> dict:
     daemon = ctx.daemon
     storage, weights, sup = daemon.layout.storage, daemon.layout.weights, daemon.supervisor
     now = time.monotonic()
+    workers = _workers_status(ctx, ctx.slots(), now)
+    # read after the workers: a status showing every worker paused counts every row they wrote
+    # before pausing (read first, a worker could write and pause between the two reads)
     write_count = storage.write_count
     return Status(
         pid=os.getpid(), uptime_s=round(time.time() - daemon.started_at, 3), desired=Desired(sup.desired).name.lower(),
         count=sup.count, weights_version=weights.version if weights is not None else 0, metrics_url=ctx.metrics_url(),
         replay=ReplayStatus(str(storage.path), min(write_count, storage.capacity), storage.capacity, write_count),
-        workers=_workers_status(ctx, ctx.slots(), now), config=ctx.config_json()).to_json()
+        workers=workers, config=ctx.config_json()).to_json()
 
 
 def get_config(ctx: Context, request: GetConfig) -> Preencoded:
