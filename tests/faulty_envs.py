@@ -83,6 +83,15 @@ def slow_start(ctx, seconds: float = 2.0):
     return make_env("Checksum", ctx, {})
 
 
+class FailingReset(_Wrapped):
+    def reset(self):
+        raise RuntimeError("simulated scene that will not load")
+
+
+def failing_reset(ctx, **kw):
+    return FailingReset(ctx, **kw)
+
+
 class SlowSteps(_Wrapped):
     """Every step takes ``step_s`` (a slow simulator); the daemon's one-sub-env probe does not wait."""
 

@@ -296,6 +296,8 @@ def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart(
         "flat": (pendulum + ["workers.policy_kwargs={mode=\"flat\"}"], 78, "float32[1] actions, env Gym's spec says"),
         "float64": (pendulum + ["workers.policy_kwargs={mode=\"float64\"}"], 0, "stored as the policy makes them"),
         "bug": (["workers.env=\"faulty_envs:raising\""], 78, "simulated env failure in step"),
+        "reset": (["workers.env=\"faulty_envs:failing_reset\""], 78, "'workers.env': env faulty_envs:failing_reset "
+                  "failed to reset: RuntimeError: simulated scene"),
         "transient": (["workers.env=\"faulty_envs:raising\"", "workers.env_kwargs={connection=true}"], 1,
                       "ConnectionRefusedError"),
     }

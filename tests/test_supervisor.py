@@ -287,3 +287,17 @@ def test_a_stop_overwritten_by_a_racing_pause_is_told_again(sleepers):
     stats[1]["desired"] = Desired.PAUSE  # the racing write
     supervisor.tick()
     assert int(stats[1]["desired"]) == Desired.STOP and int(stats[0]["desired"]) == Desired.RUN
+
+
+def test_every_restarted_event_says_after_how_long(sleepers):
+    """docs/protocol.md lists after_s on worker.restarted; a requested restart left it out."""
+    supervisor, stats, procs, now = sleepers
+    events = []
+    supervisor._on_event = lambda kind, **fields: events.append((kind, fields))
+    supervisor._start = lambda index, slot: None
+    stats[0]["heartbeat"] = stats[1]["heartbeat"] = now[0]
+    supervisor.restart([0])
+    procs[0].stop()  # the worker obeys the stop it was sent
+    supervisor.tick()
+    restarted = [fields for kind, fields in events if kind == "worker.restarted"]
+    assert restarted == [{"worker": 0, "reason": "requested", "after_s": 0.0}]
