@@ -342,7 +342,7 @@ def test_a_worker_writing_a_slow_trace_keeps_its_heartbeat(tmp_path):
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     try:
         rec = stats[0]
-        requests = ProfileRequests(rec, 0)
+        requests = ProfileRequests(rec, 0, lambda: rec.__setitem__("heartbeat", time.monotonic()))
 
         class SlowExport:
             def stop(self):
@@ -480,7 +480,7 @@ def test_a_failed_profile_is_answered_once_not_run_again_into_the_error_text(tmp
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     try:
         rec = stats[0]
-        requests = profiling.ProfileRequests(rec, 0)
+        requests = profiling.ProfileRequests(rec, 0, lambda: None)
         blocked = tmp_path / "file"
         blocked.write_text("")  # a file where the trace's directory should be: mkdir fails
         seq = profiling.request(rec, blocked / "sub" / "trace.json", 0.1)

@@ -232,7 +232,7 @@ class ChunkExtras:
         self.schedule = Schedule(spec.init_random_frames, spec.total_frames)
         self.random = random_policy(env.spec, seeds.policy ^ 0x5EED) if spec.init_random_frames > 0 else None
         self.nstep = NStep(spec.n_step, spec.gamma, env.num_envs) if spec.n_step > 1 else None
-        self.profile = ProfileRequests(rec, spec.index) if spec.enable_profile else _NoProfile()
+        self.profile = ProfileRequests(rec, spec.index, beat) if spec.enable_profile else _NoProfile()
 
     def paused(self, storage):
         """``PauseReason.BUDGET`` once ``total_frames`` are stored, else ``PauseReason.NONE``."""

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("ingestd.worker")
 
@@ -26,8 +27,9 @@ CHUNK_RANGE = "ingestd.worker.chunk"
 class ProfileRequests:
     """The worker's side: polled once per loop iteration."""
 
-    def __init__(self, rec, worker: int):
-        self.rec, self.worker = rec, worker
+    def __init__(self, rec, worker: int, beat: Callable[[], None]):
+        """``beat``: the worker's heartbeat, kept going while a trace is written."""
+        self.rec, self.worker, self._beat = rec, worker, beat
         rec["profile_done"] = rec["profile_seq"]  # a request left for a dead predecessor is not ours
         self._profiler = None
         self._until = 0.0
@@ -78,9 +80,8 @@ class ProfileRequests:
             return
         from ingestd.collect.features import keepalive  # here: features imports this module
 
-        rec = self.rec
         try:  # writing a trace can take longer than the heartbeat timeout: not a hang (it was killed as one)
-            with keepalive(lambda: rec.__setitem__("heartbeat", time.monotonic())):
+            with keepalive(self._beat):
                 profiler.stop()
                 tmp = f"{self._path}.tmp{os.getpid()}"
                 profiler.export_chrome_trace(tmp)
@@ -122,16 +123,22 @@ def prune(folder: Path, keep: int = KEEP_TRACES) -> list[Path]:
                    if entry.is_file(follow_symlinks=False)]
     except OSError:  # no folder yet, or one this process cannot list: nothing to remove
         return []
-    traces = sorted(((e, st) for e, st in entries if e.name.startswith("worker") and e.name.endswith(".json")),
-                    key=lambda item: item[1].st_mtime)
-    stale = [(e, st) for e, st in entries if ".json.tmp" in e.name
-             and not pid_alive(int(e.name.rsplit(".tmp", 1)[1]) if e.name.rsplit(".tmp", 1)[1].isdigit() else 0)]
+    traces = [e for e, _ in sorted(((e, st) for e, st in entries
+                                    if e.name.startswith("worker") and e.name.endswith(".json")),
+                                   key=lambda item: item[1].st_mtime)]
+    stale = [e for e, _ in entries if ".json.tmp" in e.name and not pid_alive(_writer(e.name))]
     removed = []
-    for entry, _ in traces[:max(0, len(traces) - (keep - 1))] + stale:
+    for entry in traces[:max(0, len(traces) - (keep - 1))] + stale:
         with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
             os.unlink(entry.path)
             removed.append(Path(entry.path))
     return removed
+
+
+def _writer(name: str) -> int:
+    """The pid in a partial trace's name (``<trace>.json.tmp<pid>``), 0 if there is none."""
+    pid = name.rsplit(".tmp", 1)[1]
+    return int(pid) if pid.isdigit() else 0
 
 
 def outcome(rec, seq: int) -> tuple[bool, str] | None:

@@ -96,8 +96,9 @@ def _set_desired(ctx: Context, desired: Desired, deadline: float) -> dict[int, i
 
     The stats words of workers that are collecting or paused are written here
     directly, so the workers see the change at once; the main thread then
-    makes it authoritative (supervisor state, new workers) and re-asserts
-    ``stop`` for workers on their way out, in case this write raced with it.
+    makes it authoritative (supervisor state, new workers); the supervisor's
+    tick re-asserts ``stop`` for workers on their way out, in case this write
+    raced with it.
     """
     daemon = ctx.daemon
     stats = daemon.layout.stats
@@ -111,9 +112,6 @@ def _set_desired(ctx: Context, desired: Desired, deadline: float) -> dict[int, i
 
     def authoritative() -> dict[int, int]:
         daemon.set_desired(desired)
-        for index, slot in daemon.supervisor.slots.items():
-            if slot.retiring or slot.restarting:
-                stats[index]["desired"] = Desired.STOP
         return {i: int(stats[i]["pid"]) for i in daemon.supervisor.live()
                 if not (daemon.supervisor.slots[i].restarting or stats.state(i) == State.FAILED)}
 

@@ -325,7 +325,7 @@ def pin_dir(path) -> int | None:
     except OSError as exc:
         log.warning("cannot open %s to keep systemd-tmpfiles from ageing it: %s", path, exc)
         return None
-    for attempt in range(20):  # tmpfiles holds LOCK_EX only while it scans; anyone else may hold it longer
+    for _ in range(20):  # tmpfiles holds LOCK_EX only while it scans; anyone else may hold it longer
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return daemon_only(fd)
