@@ -40,7 +40,10 @@ from ingestd.replay import ReplayReader, ReplayStorage
 
 KINDS = {  # capacity, rows per write, observation shape and dtype
     "cartpole": {"capacity": 1_000_000, "batch": 256, "obs": ((4,), torch.float32)},
-    "pixels": {"capacity": 16_384, "batch": 64, "obs": ((4, 84, 84), torch.uint8)},
+    # 3.7 GB: the writer laps it in under a second here, while one sample(4096) copies 231 MB
+    # (~0.25 s); a smaller ring is overwritten during the copy, every row is re-drawn and the
+    # call takes seconds (and SampleTimeout when the writer laps the ring during every copy)
+    "pixels": {"capacity": 65_536, "batch": 64, "obs": ((4, 84, 84), torch.uint8)},
 }
 SAMPLE_SIZES = (256, 4096)
 # the reader's modes in the concurrent windows: name -> (batch size, into a reused empty_batch)
@@ -149,6 +152,9 @@ def reader_child(path: str, threads: int, malloc_reuse: bool, ready, plan, out) 
                 (lambda: reader.sample(size, out=batch) is not None)
             while time.monotonic() < start:
                 time.sleep(0.0005)
+            late = time.monotonic() - start
+            if late > 0.1 * (stop - start):  # the last call of the previous window overran into this one
+                print(f"bench_replay: reader began the {mode} window {late:.2f} s late", file=sys.stderr)
             out.put(("reader", start, run(step, until=stop)))
 
 

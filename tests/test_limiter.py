@@ -17,7 +17,7 @@ from ingestd.collect.stats import PauseReason, StatsBlock
 from ingestd.errors import SampleTimeout, StorageNotFound
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.limiter import FILE, Limiter, LimiterParams, RateLimited, check_window, ensure_file, hold_worker
-from ingestd.replay.sampling import sampling_metrics
+from ingestd.replay.lag_metrics import sampling_metrics
 from ingestd.weights.store import WeightStore
 
 

@@ -127,7 +127,7 @@ def test_weights_path_follows_a_store_a_new_daemon_made(shm_dir, monkeypatch):
     """A new daemon that cannot reopen the old weight store (another policy shape) makes a new
     file at the same path; a trainer's reader must read versions from it, not from the old
     mapping frozen at its last version."""
-    from ingestd.replay.sampling import FollowedStore
+    from ingestd.weights.follow import FollowedStore
 
     monkeypatch.setattr(FollowedStore, "CHECK_S", 0.0)
     small, large = {"w": torch.zeros(3)}, {"w": torch.zeros(5)}

@@ -239,8 +239,8 @@ class IngestdCollector(Collector):
                                     "(persists across daemon restarts).", value=writes)]
 
     def _sampling(self) -> list[Metric]:
-        """Rate limiter and policy-lag families (ingestd.replay.sampling.sampling_metrics)."""
-        from ingestd.replay.sampling import sampling_metrics
+        """Rate limiter and policy-lag families (ingestd.replay.lag_metrics.sampling_metrics)."""
+        from ingestd.replay.lag_metrics import sampling_metrics
 
         return sampling_metrics(self.storage, self._weights_version(), self.stats)
 

@@ -16,24 +16,21 @@ are drawn and which copied rows are accepted:
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.errors import EmptyReplay, IngestdError, SampleTimeout
+from ingestd.errors import EmptyReplay, SampleTimeout
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.reader import file_identity, rows_count, slot_indices, wait_deadline
-
-log = logging.getLogger("ingestd.replay")
+from ingestd.replay.reader import rows_count, slot_indices, wait_deadline
+from ingestd.weights.follow import FollowedStore
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -378,47 +375,6 @@ class Sampling:
         self.tree = self.limiter = self._store = None
 
 
-class FollowedStore:
-    """The daemon's weight store at a path, followed across daemon restarts: a new daemon that
-    cannot reopen the old store (another policy shape, a damaged file, a new runtime dir after
-    ``systemctl stop``) makes a new file there, and the versions read here must come from it,
-    not from the old mapping frozen at its last version. The path is looked at every
-    ``CHECK_S`` seconds; while no store is there (the daemon stopped), the last one counts."""
-
-    CHECK_S = 1.0
-
-    def __init__(self, path: str | os.PathLike):
-        from ingestd.weights.store import WeightStore
-
-        self.path = Path(path).expanduser().absolute()
-        self._attach = WeightStore.attach
-        self._identity = file_identity(self.path)
-        self._store = self._attach(self.path)
-        self._next_check = time.monotonic() + self.CHECK_S
-
-    def version(self) -> int:
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + self.CHECK_S
-            self._follow()
-        return int(self._store.version)
-
-    def _follow(self) -> None:
-        try:
-            identity = file_identity(self.path)
-            if identity is None or identity == self._identity:
-                return
-            store = self._attach(self.path)
-        except (IngestdError, OSError):  # half made, or not readable: look again next time
-            return
-        self._store.close()
-        self._store, self._identity = store, identity
-        log.info("the weight store at %s was replaced (a new daemon); following the new one", self.path)
-
-    def close(self) -> None:
-        self._store.close()
-
-
 def _attach_limiter(reader) -> Limiter | None:
     """The storage's limiter (made by the storage when opened for writing), if there is one."""
     if not (reader.path / LIMITER_FILE).exists():
@@ -433,71 +389,3 @@ def _numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
-
-
-# -- metrics (read by the daemon's Prometheus collector at scrape time) ---------------------------
-_LAG_SUBSAMPLE = 4096
-_limiters: dict = {}  # storage path -> (the storage handle, its limiter)
-
-
-def stored_lag(store, current: int, n: int = _LAG_SUBSAMPLE, rng=None) -> tuple[int, float, int] | None:
-    """``(min, mean, max)`` policy lag of the stored rows, from ``n`` committed slots drawn at
-    random (a cheap estimate of min and max; exact when the storage holds at most ``n`` rows)."""
-    filled = len(store)
-    if filled == 0:
-        return None
-    rng = rng or np.random.default_rng()
-    slots = np.arange(filled) if filled <= n else rng.integers(0, filled, n)
-    seq = store.seq[slots]
-    versions = store._arrays[POLICY_VERSION][slots][(seq > 0) & ((seq & 1) == 0)]
-    if versions.size == 0:
-        return None
-    lag = current - versions
-    return int(lag.min()), float(lag.mean()), int(lag.max())
-
-
-def sampling_metrics(storage, current: int, stats) -> list:
-    """The limiter's and the policy lag's metric families."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    from ingestd.collect.stats import PauseReason, State
-
-    cached = _limiters.get(storage.path)
-    lim = cached[1] if cached is not None and cached[0] is storage else None
-    if lim is None and (storage.path / LIMITER_FILE).exists():
-        if cached is not None:  # made for a handle on this path closed since
-            cached[1].close()
-        lim = Limiter(storage.path, inserts=lambda: storage.write_count)
-        _limiters[storage.path] = (storage, lim)
-    out = []
-    stored = GaugeMetricFamily("ingestd_replay_policy_lag_versions", "Policy lag (current weights version minus "
-                               "the row's policy_version) of stored rows, from a random subsample of "
-                               f"{_LAG_SUBSAMPLE} at scrape time.", labels=["stat"])
-    for stat, value in zip(("min", "mean", "max"), stored_lag(storage, current) or (float("nan"),) * 3):
-        stored.add_metric([stat], value)  # NaN while the storage is empty
-    sampled = GaugeMetricFamily("ingestd_sampled_policy_lag_versions", "Policy lag of the latest batch a "
-                                "trainer sampled (readers that know the weights version report it).",
-                                labels=["stat"])
-    lag = lim.sampled_lag() if lim is not None else None
-    for stat, value in zip(("min", "mean", "max"), lag[:3] if lag else (float("nan"),) * 3):
-        sampled.add_metric([stat], value)  # NaN until a reader reported
-    out += [stored, sampled]
-    if lim is None:
-        return out
-    recs = stats.records
-    held = int(((recs["pause_reason"] == PauseReason.LIMITER) & (recs["state"] == State.RUNNING)).sum())
-    out += [
-        GaugeMetricFamily("ingestd_limiter_enabled", "1 while the rate limiter is enabled.", value=int(lim.enabled)),
-        GaugeMetricFamily("ingestd_limiter_error", "Rate limiter error: inserts * samples_per_insert - samples "
-                          "(re-anchored on every change); kept within [min_diff, max_diff]. NaN while the "
-                          "limiter is disabled.", value=lim.error() if lim.enabled else float("nan")),
-        CounterMetricFamily("ingestd_limiter_samples",
-                            "Rows sampled by rate-limited readers while the limiter is enabled.", value=lim.samples),
-        CounterMetricFamily("ingestd_limiter_reader_blocked_seconds", "Time readers waited on the rate limiter.",
-                            value=lim.reader_blocked_s),
-        CounterMetricFamily("ingestd_limiter_reader_refusals", "Samples without a timeout that the rate limiter "
-                            "refused at once (RateLimited).", value=lim.reader_refusals),
-        GaugeMetricFamily("ingestd_limiter_workers_blocked", "Workers the rate limiter is holding back now.",
-                          value=held),
-    ]
-    return out
