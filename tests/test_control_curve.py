@@ -8,7 +8,7 @@ import pytest
 
 from control_daemon import PLUGIN_ENV, SETTINGS, shared_paused, wait_for
 from daemon_proc import DaemonProc, free_port
-from ingestd import ControlClient, DaemonUnavailable
+from ingestd import CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.control import cli
 from ingestd.control.client import CurveKeys, EventStream
 from ingestd.control.curve import keygen
@@ -142,3 +142,66 @@ def test_key_files_delivered_as_links_are_read(tmp_path):
     (tmp_path / "linked.key").symlink_to(tmp_path / "real.key")
     assert load_secret(tmp_path / "linked.key_secret") == load_secret(tmp_path / "real.key_secret")
     assert load_public(tmp_path / "linked.key") == load_public(tmp_path / "real.key")
+
+
+def test_local_tools_need_no_keys_beside_a_tcp_socket(daemon):
+    """A tcp:// control (and event) socket is also bound at its local ipc default, without CURVE
+    (file modes guard it): systemd's ExecReload and a local ingestctl work with no keys."""
+    local = f"ipc://{daemon.runtime_dir}/control.sock"
+    with ControlClient(local, timeout=5.0) as c:
+        pong = c.ping()
+        assert pong["events_address"].startswith("tcp://")
+        assert pong["events_local"] == f"ipc://{daemon.runtime_dir}/events.sock"
+        with EventStream.of(c, ("paused",)) as stream:  # follows the local event socket, keyless
+            got = None
+            deadline = time.monotonic() + 10
+            while got is None and time.monotonic() < deadline:
+                c.pause()
+                c.resume()
+                got = stream.next(0.3)
+            assert got is not None and got.topic == "paused"
+        assert c.reload().applied == []
+    assert cli.main(["--connect", local, "--timeout", "5", "status"]) == 0
+
+
+def test_a_reload_of_a_broken_file_still_revokes_keys(daemon, keys, capsys):
+    """The keys were re-read only when the config file reloaded fine: a revocation did not
+    happen while the file had a typo, and the reply did not say so."""
+    root, authorized, made = keys
+    shutil.copy(made["intruder"][0], authorized / "intruder.key")
+    text = daemon.config_path.read_text()
+    try:
+        with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "trainer")) as admin:
+            assert admin.reload().authorized_keys == 2
+            with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "intruder")) as held:
+                assert held.ping()["pong"]
+            (authorized / "intruder.key").unlink()
+            daemon.config_path.write_text(text + "\n[workers\n")  # a TOML syntax error
+            with pytest.raises(CommandFailed, match="re-read all the same: 1"):
+                admin.reload()
+        with ControlClient(daemon.control_address, timeout=0.5, retries=0,
+                           curve_keys=_keys(made, "intruder")) as intruder:
+            with pytest.raises(DaemonUnavailable, match="refused this client's key"):
+                intruder.ping()
+    finally:
+        daemon.config_path.write_text(text)
+        (authorized / "intruder.key").unlink(missing_ok=True)
+        with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "trainer")) as admin:
+            admin.reload()
+    capsys.readouterr()
+
+
+def test_an_unreadable_keys_directory_keeps_the_keys_at_reload(daemon, keys):
+    """An unreadable or vanished directory read as "no keys": the reload said ok and locked
+    every remote operator out."""
+    root, authorized, made = keys
+    moved = root / "authorized.moved"
+    with ControlClient(daemon.control_address, timeout=5.0, curve_keys=_keys(made, "trainer")) as admin:
+        authorized.rename(moved)
+        try:
+            result = admin.reload()
+            assert result.authorized_keys == 1 and "cannot read" in result.authorized_keys_error
+            assert admin.ping()["pong"]
+        finally:
+            moved.rename(authorized)
+        assert admin.reload().authorized_keys_error is None

@@ -161,7 +161,7 @@ def test_key_socket_and_state_file_modes(curve_daemon, daemon):
     d, made, _ = curve_daemon
     for public, secret in made.values():
         assert stat.S_IMODE(public.stat().st_mode) == 0o644 and stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert "other users may read it: chmod 600 it" in d.log(), "a loose secret key must be warned about"
+    assert "every user may read it: chmod o-rwx it" in d.log(), "a loose secret key must be warned about"
     checked = {}
     for name in ("control.sock", "events.sock"):  # ipc sockets: 0660 or stricter
         mode = stat.S_IMODE(os.stat(daemon.runtime_dir / name).st_mode)

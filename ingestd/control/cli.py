@@ -380,6 +380,10 @@ def _reload(client, args, out: Output) -> int:
                 "(started without --config; its --set overrides stay)")
     else:  # "": an older daemon that does not say which file
         what = f"reloaded {r.config_file}" if r.config_file else "reloaded"
+    if r.authorized_keys is not None:
+        extra += f"; authorised CURVE keys: {r.authorized_keys}"
+    if r.authorized_keys_error:
+        extra += f" (kept: {r.authorized_keys_error})"
     return out.ok(r.to_json(), f"{what}; applied: {_list(r.applied)}{extra}")
 
 
@@ -392,7 +396,8 @@ def _events(client, args, out: Output) -> int:
         except ValueError as exc:
             raise UsageError(f"ingestctl: --events: {exc}") from None
     else:
-        address = events_address(client.ping()["events_address"], client.address)
+        pong = client.ping()
+        address = events_address(pong["events_address"], client.address, pong.get("events_local"))
     deadline = None if args.duration is None else time.monotonic() + args.duration
     seen = 0
     with EventStream(address, tuple(args.topic) or ("",), curve_keys=client.curve_keys) as stream:

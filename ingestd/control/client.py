@@ -32,7 +32,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import zmq
@@ -91,10 +91,13 @@ def check_address(address: str) -> str:
     return checked
 
 
-def events_address(advertised: str, control_address: str) -> str:
-    """Where to follow the events that ``ping`` says are at ``advertised``: a wildcard tcp bind
-    (``*``, ``0.0.0.0``, ``[::]``) is reached at the host of ``control_address`` (loopback if
-    that is an ipc socket)."""
+def events_address(advertised: str, control_address: str, local: str | None = None) -> str:
+    """Where to follow the events that ``ping`` says are at ``advertised``: a client on the local
+    ipc control socket follows the ``local`` ipc event socket bound beside a tcp:// one (no keys
+    needed there); a wildcard tcp bind (``0.0.0.0``, ``[::]``) is reached at the host of
+    ``control_address`` (loopback if that is an ipc socket)."""
+    if local and control_address.startswith("ipc://"):
+        return local
     match = _TCP.fullmatch(advertised)
     if match is None or match["host"] not in _WILDCARD_HOSTS:
         return advertised
@@ -140,6 +143,7 @@ def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "C
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too (IPv4 addresses work as before)
         if curve_keys is not None:
             curve_keys.apply(sock)
         for topic in subscribe:
@@ -153,19 +157,25 @@ def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "C
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """CURVE settings of a client: the daemon's public key and this client's secret key file."""
+    """CURVE settings of a client: the daemon's public key and this client's key pair, read
+    once from its secret key file (a warning about the file's mode comes once, not per socket)."""
 
     server_public: bytes
     client_secret_file: str
+    client_public: bytes = field(default=b"", repr=False)
+    client_secret: bytes = field(default=b"", repr=False)
 
     @classmethod
     def load(cls, server_key: str | bytes | os.PathLike, client_secret_file: str | os.PathLike) -> CurveKeys:
         public = curve.load_public(server_key)
-        curve.load_secret(client_secret_file)  # fail now, with the file's name, rather than at connect
-        return cls(public, os.fspath(client_secret_file))
+        client_public, client_secret = curve.load_secret(client_secret_file)
+        return cls(public, os.fspath(client_secret_file), client_public, client_secret)
 
     def apply(self, sock: zmq.Socket) -> None:
-        curve.make_client(sock, self.server_public, self.client_secret_file)
+        pair = (self.client_public, self.client_secret)
+        if not all(pair):  # made directly, not by load(): read the file now
+            pair = curve.load_secret(self.client_secret_file)
+        curve.make_client(sock, self.server_public, *pair)
 
 
 class ControlClient:
@@ -387,6 +397,9 @@ class ControlClient:
                         "without cleanup): check `systemctl status ingestd` or the daemon's pid")
         elif self.address.startswith("tcp://") and self.curve_keys is None:
             hint = "; tcp:// needs CURVE keys (--server-key/--client-key)"
+        elif self.address.startswith("tcp://"):  # a refused CURVE handshake looks like silence
+            hint = ("; or the daemon refused this client's key (not in its control.curve_authorized_keys, or "
+                    "revoked), or --server-key is not the daemon's public key")
         return (f"no reply to {cmd!r} from {self.address} within {budget:g} s "
                 f"({attempts} attempt{'s' if attempts > 1 else ''}){hint}")
 
@@ -446,7 +459,8 @@ class EventStream:
     @classmethod
     def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:
         """The event stream of the daemon ``client`` talks to (asks it for the address)."""
-        return cls(events_address(client.ping()["events_address"], client.address), topics,
+        pong = client.ping()
+        return cls(events_address(pong["events_address"], client.address, pong.get("events_local")), topics,
                    curve_keys=client.curve_keys)
 
     def next(self, timeout: float | None = None) -> Event | None:

@@ -334,6 +334,7 @@ class Pong(Result):
     metrics_url: str | None = ""  # the /metrics page as bound (also with metrics.port = 0); None: metrics are off
     # (or not serving yet); "": not reported, by a daemon older than this field
     max_message_bytes: int | str = ""  # control.max_message_bytes: the largest request taken ("": not reported)
+    events_local: str | None = None  # the local ipc event socket beside a tcp:// events_address (no CURVE)
 
 
 @dataclass(frozen=True)
@@ -432,6 +433,8 @@ class Reloaded(Result):
     applied: list[str]
     not_applied: list[str]  # changed keys that need a restart of the daemon
     config_file: str | None = ""  # the file re-read; None: the embedded default config; "": not reported (older daemon)
+    authorized_keys: int | None = None  # CURVE client keys authorised after the reload; None: no CURVE
+    authorized_keys_error: str | None = None  # why the keys directory could not be re-read (the old keys stay)
 
 
 @dataclass(frozen=True)

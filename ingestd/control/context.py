@@ -141,6 +141,7 @@ class Context:
     profile_lock: threading.Lock = field(default_factory=threading.Lock)  # one profile request at a time
     snapshot_lock: threading.Lock = field(default_factory=threading.Lock)  # one snapshot at a time
     status_cache: ReplyCache = field(default_factory=lambda: ReplyCache(0.0))  # the control thread's (0: off)
+    events_local: str | None = None  # the local ipc event socket bound beside a tcp:// events_address
     _config_cache: tuple[int, dict, Preencoded] | None = None
     _record_reader: RecordReader | None = None
     _metrics_url: str | None = None

@@ -14,7 +14,10 @@ import logging
 import os
 import re
 import stat
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import zmq
 
@@ -84,9 +87,14 @@ _MAX_KEY_FILE = 4096  # a certificate is a few hundred bytes
 
 
 def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
-    """The keys of a certificate file: a regular file (a FIFO dropped in the keys dir blocked the
-    daemon's main loop on reload) of at most a few KiB. Links are followed: secret mounts and
-    config management deliver keys as links, and reading through one gives nobody anything."""
+    """The keys of a certificate file (see :func:`_read_key_file`)."""
+    return _parse_keys(path, _read_key_file(path))
+
+
+def _read_key_file(path: Path) -> bytes:
+    """A key file's text: a regular file (a FIFO dropped in the keys dir blocked the daemon's
+    main loop on reload) of at most a few KiB. Links are followed: secret mounts and config
+    management deliver keys as links, and reading through one gives nobody anything."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
@@ -101,6 +109,11 @@ def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
         os.close(fd)
     if len(text) > _MAX_KEY_FILE:
         raise KeyFileError(f"CURVE key file {path} is larger than {_MAX_KEY_FILE} bytes; it is not a certificate")
+    return text
+
+
+def _parse_keys(path: Path, text: bytes) -> tuple[bytes | None, bytes | None]:
+    """``(public, secret)`` of a ZeroMQ certificate's text; None for a key it does not hold."""
     found: dict[bytes, bytes] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -117,15 +130,16 @@ def _read_keys(path: Path) -> tuple[bytes | None, bytes | None]:
 
 
 def load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
-    """``(public, secret)`` from a ``.key_secret`` file; warns if others can read it."""
+    """``(public, secret)`` from a ``.key_secret`` file; warns if users outside its group can
+    read it (``root:ingestd`` 0640 is the way to let the service user read a root-owned key)."""
     path = Path(path)
     public, secret = _read_keys(path)
     if public is None or secret is None:
         raise KeyFileError(f"{path} holds no secret key; use the NAME.key_secret file that "
                            "`ingestctl keygen NAME [--dir D]` writes")
     mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        log.warning("CURVE secret key %s has mode %04o; other users may read it: chmod 600 it", path, mode)
+    if mode & 0o007:
+        log.warning("CURVE secret key %s has mode %04o; every user may read it: chmod o-rwx it", path, mode)
     return public, secret
 
 
@@ -145,60 +159,139 @@ def make_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
     sock.curve_server = True
 
 
-def make_client(sock: zmq.Socket, server_public: bytes, client_secret_file: str | os.PathLike) -> None:
-    public, secret = load_secret(client_secret_file)
+def make_client(sock: zmq.Socket, server_public: bytes, public: bytes, secret: bytes) -> None:
     sock.curve_serverkey = server_public
     sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
 class Authenticator:
-    """The ZAP handler of one context: lets in the clients whose public keys are in ``directory``."""
+    """The ZAP handler of one context: lets in the clients whose public keys are in ``directory``.
 
-    def __init__(self, context: zmq.Context, directory: str | os.PathLike):
+    ``on_refuse(reason)`` is called for every refusal (``unknown_key``: a handshake; ``revoked``:
+    a request on a connection whose key was removed since), for the metrics. The log is
+    throttled: anyone can offer fresh random keys, and one line per handshake would flood the
+    journal (journald then drops the daemon's own messages)."""
+
+    LOG_EVERY_S = 10.0  # at most one "refused" line per kind this often; the others are counted
+
+    def __init__(self, context: zmq.Context, directory: str | os.PathLike,
+                 on_refuse: Callable[[str], None] = lambda reason: None):
         from zmq.auth.thread import ThreadAuthenticator
 
         self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise KeyFileError(f"control.curve_authorized_keys {self.directory} is not a directory")
-        self._keys: frozenset[bytes] = frozenset()
-        self._refused_logged: set[str | None] = set()
+        self._on_refuse = on_refuse
+        self._keys: frozenset[bytes] = frozenset(self._scan())  # KeyFileError: start-up refuses
+        self._revoked_logged: set[str] = set()
+        self._quiet = {"unknown_key": _Throttle(self.LOG_EVERY_S), "revoked": _Throttle(self.LOG_EVERY_S)}
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("ingestd.control.zap"))
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self)
-        self.reload()
+        self._announce()
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """Called by the ZAP thread for each CURVE handshake (``client_key`` in Z85)."""
-        allowed = client_key in self._keys
-        if not allowed:
-            log.warning("CURVE: refused a client with unknown public key %s", client_key.decode(errors="replace"))
-        return allowed
+        if client_key in self._keys:
+            return True
+        self._on_refuse("unknown_key")
+        if (skipped := self._quiet["unknown_key"].allow()) is not None:
+            log.warning("CURVE: refused a client with unknown public key %s%s",
+                        client_key.decode(errors="replace"), _more(skipped, "refused handshakes"))
+        return False
 
     def allows(self, user_id: str | None) -> bool:
-        """Whether a request from a connection the ZAP handler let in (``user_id``: the client's
-        key, Z85) is still authorised: a key removed since, and reloaded, no longer is."""
-        return user_id is not None and user_id.encode() in self._keys
+        """Whether a request is authorised: it came through a local ipc listener, which has no
+        CURVE (``user_id`` None), or its connection's key (``user_id``: the key the ZAP handler
+        let in, Z85) is still in the directory: a key removed since, and reloaded, is not."""
+        return user_id is None or user_id.encode() in self._keys
 
-    def refused_request(self, user_id: str | None) -> None:
-        if user_id not in self._refused_logged:  # once per key: a revoked client may keep sending
-            self._refused_logged.add(user_id)
-            log.warning("CURVE: dropped a request from revoked key %s (its connection predates the revocation)",
-                        user_id)
+    def refused_request(self, user_id: str) -> None:
+        self._on_refuse("revoked")
+        if user_id in self._revoked_logged:  # once per key and revocation: a revoked client may keep sending
+            return
+        if (skipped := self._quiet["revoked"].allow()) is not None:
+            self._revoked_logged.add(user_id)
+            log.warning("CURVE: dropped a request from revoked key %s (its connection predates the "
+                        "revocation)%s", user_id, _more(skipped, "dropped requests"))
 
     def reload(self) -> int:
-        """(Re-)read the authorised keys (at start and on every reload); returns how many."""
+        """Re-read the authorised keys (every reload); returns how many. ``KeyFileError`` if the
+        directory cannot be read: the old set stays (an unreadable directory is not "no keys",
+        which would lock every operator out)."""
+        self._keys = frozenset(self._scan())  # one assignment: the ZAP thread sees the old or the new set
+        self._revoked_logged.clear()
+        return self._announce()
+
+    @property
+    def count(self) -> int:
+        return len(self._keys)
+
+    def _announce(self) -> int:
+        n = len(self._keys)
+        if n == 0:
+            log.warning("CURVE: no authorised client key in %s: no tcp client can connect; put clients' "
+                        "NAME.key files there and reload", self.directory)
+        else:
+            log.info("CURVE: %d authorised client key(s) in %s", n, self.directory)
+        return n
+
+    def _scan(self) -> set[bytes]:
+        """The public keys of the ``*.key`` files in the directory (a file may also hold just the
+        40-character key); files that hold none are skipped with a warning."""
+        try:
+            with os.scandir(self.directory) as entries:
+                names = sorted(e.name for e in entries if e.name.endswith(".key"))
+        except OSError as exc:
+            raise KeyFileError(f"cannot read the authorised-keys directory {self.directory}: "
+                               f"{exc.strerror}") from None
         keys = set()
-        for path in sorted(self.directory.glob("*.key")):
+        for name in names:
+            path = self.directory / name
             try:
-                public, _ = _read_keys(path)
+                public = _public_of(path)
             except KeyFileError as exc:
                 log.warning("CURVE: skipping %s", exc)
                 continue
-            if public is not None:
-                keys.add(public)
-        self._keys = frozenset(keys)  # one assignment: the ZAP thread sees the old or the new set
-        log.info("CURVE: %d authorised client key(s) in %s", len(keys), self.directory)
-        return len(keys)
+            keys.add(public)
+        return keys
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+def _public_of(path: Path) -> bytes:
+    """The public key of an authorised-keys file: a certificate, or only the 40-character key
+    (comments and blank lines aside)."""
+    text = _read_key_file(path)
+    public, secret = _parse_keys(path, text)
+    if secret is not None:
+        log.warning("CURVE: %s holds a secret key; only public keys belong in the authorised-keys "
+                    "directory: move the secret file elsewhere and copy NAME.key here", path)
+    if public is not None:
+        return public
+    lines = [line for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith(b"#")]
+    if len(lines) == 1 and _Z85_KEY.fullmatch(lines[0]):
+        return lines[0]
+    raise KeyFileError(f"{path} holds no public-key line (nor only a 40-character Z85 key); copy the "
+                       "NAME.key file that `ingestctl keygen NAME` wrote")
+
+
+class _Throttle:
+    """``allow()``: None while a line was let through less than ``every_s`` ago (counting the
+    skipped ones), else the number skipped since the last line let through."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self._next, self._skipped = every_s, 0.0, 0
+        self._lock = threading.Lock()
+
+    def allow(self) -> int | None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._skipped += 1
+                return None
+            skipped, self._skipped, self._next = self._skipped, 0, now + self.every_s
+            return skipped
+
+
+def _more(skipped: int, what: str) -> str:
+    return f" ({skipped} more {what} since the last such line, not logged)" if skipped else ""

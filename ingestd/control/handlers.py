@@ -34,7 +34,8 @@ log = logging.getLogger("ingestd.control")
 # -- fast handlers (control thread) ---------------------------------------------------
 def ping(ctx: Context, request: Ping) -> dict:
     return Pong(True, os.getpid(), __version__, PROTOCOL_VERSION, ctx.events_address, time.time(),
-                ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes).to_json()  # control: not reloadable
+                ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes,  # control: not reloadable
+                ctx.events_local).to_json()
 
 
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
@@ -318,12 +319,16 @@ def reload(ctx: Context, request: Reload) -> dict:
         try:
             return ctx.on_main(ctx.daemon.reload, deadline)
         except ConfigError as exc:
-            raise RequestError(ErrorCode.RELOAD_FAILED, f"{exc}; the running config was kept") from None
+            extra = getattr(exc, "reload_extra", {})
+            keys = (f" (the authorised CURVE keys were re-read all the same: {extra['authorized_keys']})"
+                    if "authorized_keys" in extra else "")
+            raise RequestError(ErrorCode.RELOAD_FAILED, f"{exc}; the running config was kept{keys}") from None
 
     result, _ = _locked_change(ctx, request, change, "the reload")
     path = ctx.daemon.config_path
     return Reloaded(list(result["applied"]), list(result["not_applied"]),
-                    None if path is None else os.path.abspath(path)).to_json()
+                    None if path is None else os.path.abspath(path), result.get("authorized_keys"),
+                    result.get("authorized_keys_error")).to_json()
 
 
 def profile(ctx: Context, request: Profile) -> dict:

@@ -120,63 +120,97 @@ class ControlServer:
         c, paths = self.config.control, daemon.paths
         self.limits = Limits(max_frames=c.max_frames, max_total_bytes=c.max_message_bytes)
         self._context = zmq.Context()
+        # a tcp:// socket is also bound at its local ipc default (no CURVE: the file's mode is the
+        # access control, as always), so local tools (systemd's ExecReload, an operator's
+        # ingestctl) need no keys
+        local_control = _local(paths.control, paths.runtime_dir / "control.sock")
+        local_events = _local(paths.events, paths.runtime_dir / "events.sock")
         try:
-            keys = self._setup_curve(paths)
-            self._router = self._socket(zmq.ROUTER, paths.control, keys, {
+            keys = self._setup_curve(paths, daemon.telemetry)
+            self._router = self._socket(zmq.ROUTER, [a for a in (local_control, paths.control) if a], keys, {
                 zmq.MAXMSGSIZE: c.max_message_bytes, zmq.RCVHWM: 256, zmq.SNDHWM: 1024})
-            self._pub = self._socket(zmq.PUB, paths.events, keys, {zmq.SNDHWM: 10_000, zmq.MAXMSGSIZE: 1024})
+            self._pub = self._socket(zmq.PUB, [a for a in (local_events, paths.events) if a], keys,
+                                     {zmq.SNDHWM: 10_000, zmq.MAXMSGSIZE: 1024})
         except BaseException:
             self._close_all()
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.ctx = Context(daemon, paths.events, publish=self.publish, status_cache=ReplyCache(self.status_max_age_s))
+        self.ctx = Context(daemon, paths.events, publish=self.publish, status_cache=ReplyCache(self.status_max_age_s),
+                           events_local=local_events)
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
         daemon.subscribe(self._on_daemon_event)
+        daemon.reload_hooks.append(self._reload_keys)
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
         self._thread.start()
-        log.info("control: %s, events: %s%s", paths.control, paths.events, " (CURVE)" if keys else "")
+        log.info("control: %s, events: %s%s%s", paths.control, paths.events, " (CURVE)" if keys else "",
+                 f"; local: {local_control}, {local_events}" if local_control or local_events else "")
 
-    def _setup_curve(self, paths) -> tuple[bytes, bytes] | None:
+    def _setup_curve(self, paths, telemetry) -> tuple[bytes, bytes] | None:
+        """The server key pair and the authenticator, when a socket is tcp:// (CURVE is for tcp
+        only: an ipc socket's access control is its file mode)."""
         needs = any(a.startswith("tcp://") for a in (paths.control, paths.events))
         if paths.curve_secret_key is None or paths.curve_authorized_keys is None:
             if needs:
                 raise ConfigError("control.address", "a tcp:// bind requires control.curve_secret_key and "
                                                      "control.curve_authorized_keys")
             return None
+        if not needs:
+            log.warning("control: CURVE keys are set but no address is tcp://; they are not used (an ipc "
+                        "socket's access control is its file mode)")
+            return None
         try:
             keys = curve.load_secret(paths.curve_secret_key)
-            self._auth = curve.Authenticator(self._context, paths.curve_authorized_keys)
         except curve.KeyFileError as exc:
             raise ConfigError("control.curve_secret_key", str(exc)) from None
+        try:
+            self._auth = curve.Authenticator(self._context, paths.curve_authorized_keys,
+                                             on_refuse=lambda reason: telemetry.observe_auth_refusal(reason))
+        except curve.KeyFileError as exc:
+            raise ConfigError("control.curve_authorized_keys", str(exc)) from None
         return keys
 
-    def _socket(self, kind: int, address: str, keys: tuple[bytes, bytes] | None, options: dict) -> zmq.Socket:
-        """A socket with its options set *before* bind (a listener copies them when it binds)."""
+    def _socket(self, kind: int, addresses: list[str], keys: tuple[bytes, bytes] | None,
+                options: dict) -> zmq.Socket:
+        """A socket bound at ``addresses``, its options set *before* each bind (a listener copies
+        them when it binds): the ipc ones first, without CURVE, then the tcp ones with it."""
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too (IPv4 addresses work as before)
         for option, value in options.items():
             sock.setsockopt(option, value)
-        if keys is not None:
-            curve.make_server(sock, *keys)
+        try:
+            for address in sorted(addresses, key=lambda a: a.startswith("tcp://")):
+                if address.startswith("tcp://") and keys is not None:
+                    curve.make_server(sock, *keys)
+                self._bind(sock, kind, address)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
+    def _bind(self, sock: zmq.Socket, kind: int, address: str) -> None:
         try:
             bind_private(sock, address)
         except (zmq.ZMQError, OSError) as exc:
-            sock.close(0)
             key = "control.address" if kind == zmq.ROUTER else "control.events_address"
             raise ConfigError(key, f"cannot bind {address}: {exc}") from None
         if (path := socket_file(address)) is not None:
             self._files.append(path)
             self._ipc.append([sock, address, path, _identity(path), False])
-        return sock
+
+    def _reload_keys(self) -> dict:
+        """Re-read the authorised CURVE keys: the first step of every reload (command or SIGHUP),
+        before the config file is read, so a revocation takes effect even when the file is broken."""
+        if self._auth is None:
+            return {}
+        try:
+            return {"authorized_keys": self._auth.reload()}
+        except curve.KeyFileError as exc:
+            log.error("CURVE: %s; keeping the %d key(s) read before", exc, self._auth.count)
+            return {"authorized_keys": self._auth.count, "authorized_keys_error": str(exc)}
 
     def _on_daemon_event(self, kind: str, **fields: Any) -> None:
-        """Daemon events (main thread): re-read the CURVE keys on every reload (command or SIGHUP),
-        then publish the event."""
-        if kind == "config.reloaded" and self._auth is not None:
-            try:
-                self._auth.reload()
-            except OSError as exc:
-                log.error("CURVE: cannot re-read the authorised keys, keeping the old set: %s", exc)
+        """Daemon events (main thread): published."""
         self.publish(kind, **fields)
 
     def stop(self) -> None:
@@ -416,6 +450,11 @@ _NOBLOCK, _SEND_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 
 
+def _local(address: str, path) -> str | None:
+    """The local ipc endpoint bound beside a tcp:// ``address`` (None for an ipc one)."""
+    return f"ipc://{path}" if address.startswith("tcp://") else None
+
+
 def _recv_request(router: zmq.Socket, who: bool = False) -> tuple[list, str | None]:
     """One request's frames (``zmq.Again`` if none waits) and, with ``who``, the CURVE user id
     (the client's public key, Z85) the ZAP handler gave its connection. The routing envelope and
@@ -425,7 +464,10 @@ def _recv_request(router: zmq.Socket, who: bool = False) -> tuple[list, str | No
     user = None
     if who:
         first = router.recv(_NOBLOCK, copy=False)
-        user = first.get("User-Id")
+        try:
+            user = first.get("User-Id")
+        except zmq.ZMQError:  # none: it came through the local ipc listener, which has no CURVE
+            user = None
         frames = [first.bytes]
     else:
         frames = [router.recv(_NOBLOCK)]

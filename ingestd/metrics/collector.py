@@ -256,7 +256,13 @@ class IngestdCollector(Collector):
         push = HistogramMetricFamily(
             "ingestd_weight_push_seconds", "Time from receiving a weight push to its reply.",
             buckets=[(floatToGoString(le), n) for le, n in buckets] + [("+Inf", count)], sum_value=total)
-        return [requests, push]
+        refusals = CounterMetricFamily("ingestd_control_auth_refusals", "CURVE refusals on the tcp:// control "
+                                       "and event sockets: handshakes with an unknown key (unknown_key), requests "
+                                       "on a connection whose key was revoked since (revoked).", labels=["reason"])
+        refused = self.telemetry.auth_refusals()
+        for reason in ("unknown_key", "revoked"):
+            refusals.add_metric([reason], refused.get(reason, 0))
+        return [requests, push, refusals]
 
     def _service(self) -> list[Metric]:
         info = GaugeMetricFamily("ingestd_build_info", "Always 1; the labels name the versions running.",

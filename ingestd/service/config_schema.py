@@ -224,7 +224,7 @@ class PathSetting(Rule):
         return text
 
 
-_TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>\d+|\*)")
+_TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>\d+|\*)")  # "*" parsed to be refused by name
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,10 @@ class Address(Rule):
             check_ipc_length(key, text)
             return text
         match = _TCP.fullmatch(text)
-        if match is None or (match["port"] != "*" and not 1 <= int(match["port"]) <= 65535):
+        if match is not None and match["port"] == "*":
+            raise ConfigError(key, f"{text!r}: port * (any free port) is not supported, as clients could not "
+                                   "find the port it gets; choose a port")
+        if match is None or not 1 <= int(match["port"]) <= 65535:
             raise self.fail(key, value)
         return text
 

@@ -52,6 +52,9 @@ class Daemon:
         self.notifier = Notifier(environ)
         self.started_at = time.time()
         self.telemetry = Telemetry()
+        # run first by every reload (command or SIGHUP), whatever becomes of the config file;
+        # each returns fields for the reply and the config.reloaded event (the CURVE keys' count)
+        self.reload_hooks: list[Callable[[], dict]] = []
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()  # set by submit() so commands do not wait out a tick
         self._stop_requested = False
@@ -190,11 +193,22 @@ class Daemon:
 
     # -- operations (main thread) -----------------------------------------------------------
     def reload(self) -> dict:
-        """Re-read the config file; apply what can change live, report the rest."""
-        from ingestd.service.config import load_config, reloadable_diff
-
+        """Re-read the config file; apply what can change live, report the rest. The reload
+        hooks run first, whatever becomes of the file."""
         if self._ready:  # before the first READY=1, a reload is part of starting up: nothing to tell
             self.notifier.reloading()
+        extra: dict = {}
+        for hook in self.reload_hooks:
+            extra.update(hook())
+        try:
+            return self._reload(extra)
+        except Exception as exc:
+            exc.reload_extra = extra  # the reply says what the hooks did all the same (keys re-read)
+            raise
+
+    def _reload(self, extra: dict) -> dict:
+        from ingestd.service.config import load_config, reloadable_diff
+
         try:
             new = load_config(self.config_path, self.overrides)
         except Exception as exc:
@@ -225,8 +239,8 @@ class Daemon:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
         log.info("reload: applied %s", ", ".join(applied) or "nothing (no live change)")
         self._reloaded()
-        self.emit("config.reloaded", applied=applied, not_applied=needs_restart)
-        return {"applied": applied, "not_applied": needs_restart}
+        self.emit("config.reloaded", applied=applied, not_applied=needs_restart, **extra)
+        return {"applied": applied, "not_applied": needs_restart, **extra}
 
     def checked_with(self, changes: Mapping[str, object]):
         """The running config with live ``changes`` (``{"workers.count": 4}``), checked as a config

@@ -21,6 +21,7 @@ class Telemetry:
         self._push_buckets = [0] * len(PUSH_BUCKETS)
         self._push_count = 0
         self._push_sum = 0.0
+        self._auth_refusals: Counter[str] = Counter()
 
     def observe_request(self, cmd: str, outcome: str) -> None:
         """``outcome`` is ``ok`` or the stable error code of the reply."""
@@ -34,6 +35,15 @@ class Telemetry:
             for i, bound in enumerate(PUSH_BUCKETS):
                 if seconds <= bound:
                     self._push_buckets[i] += 1
+
+    def observe_auth_refusal(self, reason: str) -> None:
+        """A CURVE refusal: ``unknown_key`` (a handshake) or ``revoked`` (a request dropped)."""
+        with self._lock:
+            self._auth_refusals[reason] += 1
+
+    def auth_refusals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._auth_refusals)
 
     def requests(self) -> dict[tuple[str, str], int]:
         with self._lock:
