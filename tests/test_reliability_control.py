@@ -431,3 +431,35 @@ def test_status_load_latency_ingest_and_rss(daemon, client, tmp_path):
                  f"p50 {1e3 * p50:.2f} ms, p99 {1e3 * p99:.2f} ms, ingest {np.mean(idle):.0f} -> "
                  f"{np.mean(loaded):.0f} rows/s ({100 * slowdown:.1f} % slower), {achieved:.0f} requests/s "
                  "sent in the loaded windows")
+
+
+@pytest.mark.parametrize("target", [4, 0])
+def test_a_sighup_waits_for_a_scale_in_flight_instead_of_undoing_it(daemon, client, target):
+    """A SIGHUP reloaded in the main loop, outside the lock that serialises changes: racing a
+    ``scale(4)`` it set the count back to the file's 2, and the scale waited its whole deadline
+    for workers that would never start, then said "the request stays in effect" (chaos review).
+    Now the reload waits for the scale: the scale succeeds, then the file's count applies."""
+    import os
+    import signal
+    import threading
+
+    got: dict = {}
+
+    def scale() -> None:
+        started = time.monotonic()
+        try:
+            got["result"] = client.scale(target, timeout_s=8.0)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            got["result"] = exc
+        got["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=scale)
+    thread.start()
+    time.sleep(0.01)
+    os.kill(daemon.proc.pid, signal.SIGHUP)
+    thread.join(30)
+    assert not isinstance(got["result"], Exception), got["result"]
+    assert got["seconds"] < 8.0, got
+    with ControlClient(daemon.control_address, timeout=5.0) as c:
+        wait_for(lambda: c.status().count == 2 and len(c.status().workers) == 2, 20,
+                 "the reload (count = 2 from --set) to apply after the scale")

@@ -301,3 +301,36 @@ def test_every_restarted_event_says_after_how_long(sleepers):
     supervisor.tick()
     restarted = [fields for kind, fields in events if kind == "worker.restarted"]
     assert restarted == [{"worker": 0, "reason": "requested", "after_s": 0.0}]
+
+
+def test_status_shows_a_dead_worker_as_starting_again_not_as_it_was(sleepers):
+    """During the restart backoff a SIGKILLed worker still read ``running`` with its dead pid
+    (and so an ever older heartbeat), while ``ingestd_worker_up`` said 0 (chaos review)."""
+    from ingestd.collect.stats import heartbeat_age
+
+    supervisor, stats, procs, now = sleepers
+    supervisor._start = lambda index, slot: None
+    procs[0].stop()
+    supervisor.tick()
+    rec = stats[0]
+    assert (State(int(rec["state"])), int(rec["pid"])) == (State.STARTING, 0)
+    assert heartbeat_age(rec, now[0] + 10) is None
+    assert supervisor.slots[0].start_at is not None  # the restart is still scheduled
+
+
+def test_a_slot_added_by_scale_reads_starting_not_the_last_workers_state(sleepers):
+    """Until the next tick started it, a new slot showed the undocumented ``empty`` with the pid
+    of a worker long gone."""
+    supervisor, stats, procs, now = sleepers
+    supervisor._start = lambda index, slot: None
+    stats[3]["state"], stats[3]["pid"] = State.EMPTY, procs[1].pid  # what a retired slot leaves
+    supervisor.scale(4)
+    assert [(State(int(stats[i]["state"])), int(stats[i]["pid"])) for i in (2, 3)] == [(State.STARTING, 0)] * 2
+
+
+def test_restart_of_a_retiring_worker_names_only_the_workers_there_are(sleepers):
+    """``no such worker(s) [1]; workers are [0, 1]``: the retiring slot was refused and listed."""
+    supervisor, stats, procs, now = sleepers
+    supervisor.scale(1)  # worker 1 retires, its process not gone yet
+    with pytest.raises(KeyError, match=r"no such worker\(s\) \[1\]; workers are \[0\]"):
+        supervisor.restart([1])

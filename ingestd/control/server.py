@@ -50,6 +50,7 @@ RECV_BATCH = 64  # requests handled per poll wake-up before looking at the outbo
 STATUS_MAX_AGE_S = 0.005  # a status result is reused this long at most (docs/protocol.md, "status")
 STOP_JOIN_S = 5.0
 STOP_LINGER_MS = 500  # at stop, how long the last replies may take to leave
+SIGNAL_RELOAD_DEADLINE_S = 60.0  # a SIGHUP's reload waits this long for the main loop to take it
 SOCKET_FILE_CHECK_S = 2.0  # how often the ipc socket files are looked at (deleted ones are bound again)
 INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
 
@@ -140,6 +141,7 @@ class ControlServer:
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
         daemon.subscribe(self._on_daemon_event)
         daemon.reload_hooks.append(self._reload_keys)
+        daemon.reload_runner = self._reload_on_signal
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
         self._thread.start()
         log.info("control: %s, events: %s%s%s", paths.control, paths.events, " (CURVE)" if keys else "",
@@ -197,6 +199,24 @@ class ControlServer:
         if (path := socket_file(address)) is not None:
             self._files.append(path)
             self._ipc.append([sock, address, path, _identity(path), False])
+
+    def _reload_on_signal(self) -> None:
+        """A SIGHUP (main thread): reload as the ``reload`` command does, in a pool thread holding
+        the lock that serialises pause/resume/restart/scale/reload, so it waits for a scale or
+        restart in flight instead of undoing what that command is waiting for."""
+        ctx = self.ctx
+
+        def run() -> None:
+            with ctx.change_lock:
+                try:
+                    ctx.on_main(ctx.daemon.reload, time.monotonic() + SIGNAL_RELOAD_DEADLINE_S)
+                except ConfigError:
+                    pass  # logged by reload(); the running config stays, as after a failed reload command
+                except RequestError as exc:  # shutting down, or the main loop did not take it
+                    log.warning("reload on SIGHUP not run: %s", exc.message)
+                except Exception:  # noqa: BLE001 - a pool thread: log, never lose it silently
+                    log.exception("reload on SIGHUP failed")
+        self._pool.submit(run)
 
     def _reload_keys(self) -> dict:
         """Re-read the authorised CURVE keys: the first step of every reload (command or SIGHUP),

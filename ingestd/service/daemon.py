@@ -59,6 +59,10 @@ class Daemon:
         self._wake = threading.Event()  # set by submit() so commands do not wait out a tick
         self._stop_requested = False
         self._reload_requested = False
+        # how a SIGHUP's reload runs once the control server is up: behind its lock, as the reload
+        # command (run here, between supervisor ticks, it undid a scale or restart a command was
+        # waiting on, which then timed out saying its request stayed in effect)
+        self.reload_runner: Callable[[], None] | None = None
         self._ready = False  # READY=1 sent (the workers wrote, or none ever will)
         self._listeners: list[Callable[..., None]] = []
         self.layout: Layout | None = None
@@ -121,10 +125,13 @@ class Daemon:
             self._run_calls()
             if self._reload_requested:
                 self._reload_requested = False
-                try:
-                    self.reload()
-                except ConfigError:
-                    pass  # logged by reload(); the running config stays, as after a failed reload command
+                if self.reload_runner is not None:
+                    self.reload_runner()
+                else:
+                    try:
+                        self.reload()
+                    except ConfigError:
+                        pass  # logged by reload(); the running config stays, as after a failed reload command
             if not self._ready and self._first_data(start_count):
                 self._ready = True
                 self.notifier.ready(self.status_line())

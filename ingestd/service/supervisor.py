@@ -82,7 +82,9 @@ class Supervisor:
                 # go on from the slot's earlier ones, as Prometheus counters must; an old error is not its own
                 self.slots[index] = Slot(self._make_spec(index), start_at=self._clock())
                 self.stats.set_error(index, "")
-                self.stats[index]["desired"] = self.desired
+                rec = self.stats[index]
+                rec["desired"] = self.desired
+                rec["state"], rec["pid"] = State.STARTING, 0  # not the last worker's, until the next tick starts it
             elif slot.retiring:  # asked to stop but not gone yet: keep it, running
                 slot.retiring = False
                 if slot.process is not None:
@@ -99,7 +101,8 @@ class Supervisor:
         chosen = sorted(self.slots) if indices is None else indices
         unknown = [i for i in chosen if i not in self.slots or self.slots[i].retiring]
         if unknown:
-            raise KeyError(f"no such worker(s) {unknown}; workers are {sorted(self.slots)}")
+            workers = sorted(i for i, slot in self.slots.items() if not slot.retiring)
+            raise KeyError(f"no such worker(s) {unknown}; workers are {workers}")
         for index in chosen:
             slot = self.slots[index]
             slot.failures = 0
@@ -202,6 +205,9 @@ class Supervisor:
             self._on_event("worker.failed", worker=index, error=error)
             return
         rec["restarts"] += 1
+        # starting again after the backoff; until then status must not show the dead process as
+        # running or paused, with its pid and an ever older heartbeat
+        rec["state"], rec["pid"] = State.STARTING, 0
         slot.start_at = now + self.policy.backoff(slot.failures)
         self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.failures))
 
