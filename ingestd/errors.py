@@ -106,3 +106,8 @@ class DaemonAlreadyRunning(IngestdError, RuntimeError):
 # -- collection ---------------------------------------------------------------
 class EnvFault(IngestdError, RuntimeError):
     """An env produced data that must not be stored (wrong shape, non-finite reward...)."""
+
+
+class LockBusy(IngestdError, TimeoutError):
+    """A lock file of the replay storage stayed locked by another process past the caller's
+    timeout (a trainer stopped inside ``update_priorities`` or a sample, say)."""

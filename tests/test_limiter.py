@@ -263,16 +263,26 @@ def test_daemon_workers_wait_for_a_stopped_trainer_visibly_and_resume(tmp_path):
             assert all(w.state == "running" for w in workers)
             assert all(w.pause_reason == "limiter" for w in workers if w.index in state.workers_blocked)
             # a push reaches workers held back (a trainer pushes, then samples: waiting for the
-            # sample would time the push out), and they stay held
+            # sample would time the push out); each writes one chunk of the new version, which a
+            # trainer with max_policy_lag=0 needs before it can sample at all (it waited for ever,
+            # and so did the workers: Ape-X review), then they are held again
             with WeightStore.attach(d.runtime_dir / "weights") as store:
                 _, state_dict = store.read()
             pushed = client.push_weights_detailed(state_dict, wait=True, timeout_s=10)
             assert pushed.applied == [0, 1] and not pushed.deferred, pushed
             assert {w.weights_version for w in client.status().workers} == {pushed.version}
-            assert sum(w.frames for w in client.status().workers) == frames
+            wait_for(lambda: sum(w.frames for w in client.status().workers) == frames + 2 * 64, 10,
+                     "one chunk per worker of the new version")
+            with ReplayReader(d.replay_path, max_policy_lag=0, weights_path=d.runtime_dir / "weights") as r:
+                batch = r.sample(64, timeout=10)
+            assert (batch["ingestd", "policy_version"] == pushed.version).all()
+            frames = sum(w.frames for w in client.status().workers)
+            time.sleep(0.3)
+            assert sum(w.frames for w in client.status().workers) == frames  # held again
+            assert client.limiter().workers_blocked
             # a trainer comes back: workers move again
             with ReplayReader(d.replay_path) as r:
-                r.sample(int(state.error) + 100, timeout=5)
+                r.sample(int(client.limiter().error) + 100, timeout=5)
             deadline = time.monotonic() + 10
             while sum(w.frames for w in client.status().workers) == frames and time.monotonic() < deadline:
                 time.sleep(0.05)

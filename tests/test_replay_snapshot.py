@@ -225,7 +225,7 @@ def test_a_restored_storage_samples_prioritized_at_once(shm_dir):
 
 def _killed_between_commit_and_enter(path):
     store = rp.PayloadStorage.open(path)
-    store._priorities.enter = lambda first, n: os._exit(9)  # as a kill -9 right after the commit
+    store._priorities.enter = lambda *args: os._exit(9)  # as a kill -9 right after the commit
     store.write(rp.template(store.schema, 8))
 
 

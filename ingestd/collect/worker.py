@@ -123,6 +123,7 @@ class Worker:
         torch.set_num_threads(max(1, spec.threads))
         rec["threads"] = torch.get_num_threads()
         storage = ReplayStorage.open(spec.replay_path)
+        storage.lock_wait = self._beat  # beat while a stopped trainer holds priority.lock
         from ingestd.replay.limiter import Limiter
 
         self.limiter = Limiter.attach(spec.replay_path, inserts=lambda: storage.write_count)
@@ -139,6 +140,7 @@ class Worker:
             env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
+        self._written_version = self.version  # the weights of the last chunk written (see _loop)
         self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
         with keepalive(self._beat):  # the env's first reset (a simulator loading a scene) may be slow too
             rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
@@ -170,8 +172,12 @@ class Worker:
             # before the limiter's hold too: a worker held back applies a push (which waits for it)
             self.version = self._apply_weights(weights, policy, self.version)
             published = _published(weights)
-            if hold_worker(self.limiter, rec, self._beat,
-                           lambda: rec["desired"] == Desired.RUN and _published(weights) == published):
+            # one chunk of each new weights version is written whatever the limiter says: a trainer
+            # sampling with max_policy_lag may need rows of that version before it can sample (and
+            # so release the workers) at all
+            if self.version <= self._written_version and hold_worker(
+                    self.limiter, rec, self._beat,
+                    lambda: rec["desired"] == Desired.RUN and _published(weights) == published):
                 continue  # held back by the rate limiter (ingestd.replay.limiter), until released, told
                 # otherwise, or new weights are published (applied above): look again
             t0 = time.perf_counter()
@@ -182,6 +188,7 @@ class Worker:
     def _collect(self, rollout, storage) -> tuple[int, Any]:
         """Roll one chunk and store it; returns the frames collected and the finished episodes."""
         version = self.extras.before_chunk(rollout, storage, self.version)
+        self._written_version = self.version
         if storage.has_columns and self.extras.nstep is None:
             # large leaves (images) are rolled straight into their reserved slots: one copy fewer
             with storage.reserved(rollout.rows_per_chunk) as slots:

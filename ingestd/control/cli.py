@@ -358,10 +358,12 @@ def _limiter(client, args, out: Output) -> int:
         lag = "-" if s.sampled_policy_lag is None else "/".join(f"{v:g}" for v in s.sampled_policy_lag)
         error = "error: none while disabled" if s.error is None else f"error {s.error:g}"
         refused = "" if s.reader_refusals == "" else f", {s.reader_refusals} samples refused at once"
+        held = len(s.workers_blocked)
+        held = f"{held} ({'worker' if held == 1 else 'workers'} {_list(s.workers_blocked)})" if held else "0"
         return (f"limiter {'enabled' if s.enabled else 'disabled'}: samples_per_insert {s.samples_per_insert:g}, "
                 f"window [{s.min_diff:g}, {s.max_diff:g}], min_size {s.min_size}\n"
                 f"{error} (inserts {s.inserts}, samples {s.samples}); workers held back: "
-                f"{_list(s.workers_blocked)} ({s.workers_blocked_s:.1f} s in total); readers waited "
+                f"{held}, {s.workers_blocked_s:.1f} s in total; readers waited "
                 f"{s.reader_blocked_s:.1f} s{refused}; sampled policy lag min/mean/max {lag}")
     return out.ok(s.to_json(), text)
 

@@ -25,7 +25,7 @@ from ingestd.control.commands import (
 from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
-from ingestd.errors import BadWeights, ConfigError, CorruptStorage, SnapshotExists
+from ingestd.errors import BadWeights, ConfigError, CorruptStorage, LockBusy, SnapshotExists
 from ingestd.replay.snapshot import check_name, remove_stale_partials, save
 
 log = logging.getLogger("ingestd.control")
@@ -366,6 +366,9 @@ def profile(ctx: Context, request: Profile) -> dict:
     return Profiled(index, text, request.seconds).to_json()
 
 
+_MAIN_LOCK_TRY_S = 0.05  # the main thread tries a trainer-writable lock this long, then lets go
+
+
 def limiter(ctx: Context, request: SetLimiter) -> dict:
     """Report the rate limiter; with arguments, change it first (ingestd.replay.limiter)."""
     import dataclasses
@@ -379,12 +382,19 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
         def change() -> None:  # in the main thread, which owns the effective config (a reload races it)
             daemon = ctx.daemon
             config = daemon.checked_with({f"limiter.{key}": value for key, value in changes.items()})
-            lim.configure(dataclasses.replace(lim.params, **changes))
+            lim.configure(dataclasses.replace(lim.params, **changes), timeout=_MAIN_LOCK_TRY_S)
             daemon.adopt(config)  # `ingestctl config` shows it; a reload sets the file's values again
-        try:
-            ctx.on_main(change, ctx.deadline(request))
-        except ValueError as exc:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"{exc}; the limiter was not changed") from None
+        deadline = ctx.deadline(request)
+        while True:  # a trainer stopped while sampling may hold limiter.bin: retry here, not in the main loop
+            try:
+                ctx.on_main(change, deadline)
+                break
+            except ValueError as exc:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{exc}; the limiter was not changed") from None
+            except LockBusy as exc:
+                if time.monotonic() >= deadline:
+                    raise RequestError(ErrorCode.BUSY, f"{exc}; the limiter was not changed") from None
+                time.sleep(_MAIN_LOCK_TRY_S)
         ctx.publish("limiter.changed", **changes)
     stats = ctx.daemon.layout.stats
     blocked = [i for i in ctx.slots() if int(stats[i]["pause_reason"]) == PauseReason.LIMITER

@@ -22,20 +22,25 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
 import struct
+import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from ingestd.errors import CorruptStorage, StorageFull, StorageNotFound
+from ingestd.errors import CorruptStorage, LockBusy, StorageFull, StorageNotFound
 from ingestd.replay.layout import Key, Leaf, dtype_name, leaf_name, numpy_dtype, schema_from_json, schema_to_json
+
+log = logging.getLogger("ingestd.replay")
 
 FORMAT = "ingestd-replay"
 VERSION = 2
@@ -272,13 +277,25 @@ _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 _LOCK_FILES: dict[int, tuple[str, int, int]] = {}  # descriptor -> (absolute path, device, inode)
 
 
-def open_lock_file(path, flags: int = os.O_RDWR, mode: int = 0o666) -> int:
+def open_lock_file(path, flags: int = os.O_RDWR, mode: int = 0o666, owner: object = None) -> int:
     """Open a file this process locks through (``flocked``, slot locks). A forked child opens
-    it again on the same descriptor number (:func:`_reopen_lock_files`)."""
+    it again on the same descriptor number (:func:`_reopen_lock_files`). With ``owner``, the
+    descriptor is closed when the owner is garbage-collected without closing it (a trainer
+    dropping readers without ``close()`` leaked one or two descriptors per reader)."""
     fd = os.open(path, flags, mode)
     st = os.fstat(fd)
-    _LOCK_FILES[fd] = (os.path.abspath(path), st.st_dev, st.st_ino)  # absolute: a chdir does not move it
+    entry = (os.path.abspath(path), st.st_dev, st.st_ino)  # absolute: a chdir does not move it
+    _LOCK_FILES[fd] = entry
+    if owner is not None:
+        weakref.finalize(owner, _close_if_still_open, fd, entry)
     return fd
+
+
+def _close_if_still_open(fd: int, entry: tuple) -> None:
+    """Close ``fd`` if it is still the lock file opened as ``entry`` (not closed already and
+    the number reused for another file since)."""
+    if _LOCK_FILES.get(fd) is entry:
+        close_lock_file(fd)
 
 
 def close_lock_file(fd: int) -> None:
@@ -307,13 +324,50 @@ os.register_at_fork(after_in_child=_reopen_lock_files)
 
 
 @contextmanager
-def flocked(fd: int) -> Iterator[None]:
-    """An exclusive ``flock`` on ``fd`` for the block (the kernel drops it if the holder dies)."""
-    fcntl.flock(fd, fcntl.LOCK_EX)
+def flocked(fd: int, *, wait: Callable[[], None] | None = None, timeout: float | None = None,
+            name: str = "a lock file") -> Iterator[None]:
+    """An exclusive ``flock`` on ``fd`` for the block (the kernel drops it if the holder dies).
+
+    Lock files trainers write (``priority.lock``, ``limiter.bin``) can be held for as long as a
+    trainer is stopped inside a call (Ctrl-Z, a debugger, SIGSTOP). So a worker passes ``wait``
+    (its heartbeat, called while it waits: it is not taken for hung and killed), and the
+    daemon's main thread a ``timeout`` (``LockBusy`` after it: supervision goes on). With
+    neither, it blocks (a trainer)."""
+    if wait is None and timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    else:
+        _poll_flock(fd, wait, timeout, name)
     try:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+_LOCK_WARN_S = 5.0  # a wait this long is logged once (naming the file)
+
+
+def _poll_flock(fd: int, wait: Callable[[], None] | None, timeout: float | None, name: str) -> None:
+    start = time.monotonic()
+    delay, warned = 0.0002, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            raise LockBusy(f"{name} is locked by another process (a trainer stopped inside a call, e.g. by "
+                           f"Ctrl-Z or a debugger?) for {waited:.1f} s; try again, or find it with "
+                           f"`fuser {name}`")
+        if not warned and waited >= _LOCK_WARN_S:
+            warned = True
+            log.warning("waiting %.0f s for %s, locked by another process (a trainer stopped inside a call, "
+                        "e.g. by Ctrl-Z or a debugger?); `fuser %s` names it", waited, name, name)
+        if wait is not None:
+            wait()
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
 
 
 def unmap(mm: mmap.mmap) -> None:

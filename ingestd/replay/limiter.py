@@ -120,7 +120,7 @@ class Limiter:
     def __init__(self, path: Path, inserts: Callable[[], int] | None = None):
         self.path = Path(path)
         self._inserts = inserts or _header_write_count(self.path)  # first: it may fail
-        self._fd = files.open_lock_file(self.path / FILE)
+        self._fd = files.open_lock_file(self.path / FILE, owner=self)
         try:
             self._mm = mmap.mmap(self._fd, 8 * WORDS, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -146,10 +146,12 @@ class Limiter:
         return LimiterParams(bool(i[W_ENABLED]), int(i[W_MIN_SIZE]), float(f[W_SPI]), float(f[W_MIN_DIFF]),
                              float(f[W_MAX_DIFF]))
 
-    def configure(self, params: LimiterParams) -> LimiterParams:
-        """Apply new parameters (checked), re-anchoring the error; returns them."""
+    def configure(self, params: LimiterParams, timeout: float | None = None) -> LimiterParams:
+        """Apply new parameters (checked), re-anchoring the error; returns them. ``timeout``:
+        raise ``LockBusy`` rather than wait longer for ``limiter.bin``'s lock, which a trainer
+        stopped while sampling may hold (the daemon's main thread must not wait on it)."""
         check_window(params)
-        with self._locked():
+        with self._locked(timeout):
             old_enabled, error = bool(self._i[W_ENABLED]), self.error()
             start = min(max(error if old_enabled else 0.0, params.min_diff), params.max_diff)
             i, f = self._i, self._f
@@ -211,6 +213,26 @@ class Limiter:
             return f"the trainer is ahead: error {error:g} < min_diff {self._f[W_MIN_DIFF]:g}"
         return None
 
+    def take_samples(self, n: int, rows: int) -> tuple[str | None, int]:
+        """Before a sample of ``n`` rows: ``(why the reader must wait, 0)``, or ``(None, rows
+        counted)``. The check and the count are one step under the lock, so trainers that check
+        together cannot all pass: together they overshoot ``min_diff`` by one batch, not one
+        each. A sample that then fails gives its rows back (:meth:`give_back`)."""
+        if not self._i[W_ENABLED]:
+            return None, 0
+        with self._locked():
+            why = self.sample_blocked(rows)
+            if why is not None:
+                return why, 0
+            self._i[W_SAMPLES] += n
+        return None, n
+
+    def give_back(self, n: int) -> None:
+        """Un-count ``n`` rows taken by :meth:`take_samples` for a sample that found none."""
+        if n:
+            with self._locked():
+                self._i[W_SAMPLES] -= n
+
     def count_samples(self, n: int) -> None:
         """Add ``n`` sampled rows (only while enabled: a disabled limiter is re-anchored when
         enabled, and its flock would cost every sample ~8 us)."""
@@ -248,8 +270,8 @@ class Limiter:
                    reader_refusals=self.reader_refusals)
         return out
 
-    def _locked(self):
-        return files.flocked(self._fd)
+    def _locked(self, timeout: float | None = None):
+        return files.flocked(self._fd, timeout=timeout, name=str(self.path / FILE))
 
     def close(self) -> None:
         if self._mm is None:

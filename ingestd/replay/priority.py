@@ -39,6 +39,7 @@ import fcntl
 import mmap
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -107,7 +108,7 @@ class PriorityTree:
         self._top_t = torch.from_numpy(self.levels[self._top])
         self._prefix_t = torch.zeros(sizes[self._top] + 1, dtype=torch.float64)  # 0, then the top's prefix sums
         self._prefix = self._prefix_t.numpy()
-        self._lock_fd = files.open_lock_file(self.path / LOCK, os.O_RDWR | os.O_CREAT)
+        self._lock_fd = files.open_lock_file(self.path / LOCK, os.O_RDWR | os.O_CREAT, owner=self)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -129,8 +130,10 @@ class PriorityTree:
         return cls(path, capacity)
 
     # -- changes (under the lock) ---------------------------------------------------------
-    def locked(self):
-        return files.flocked(self._lock_fd)
+    def locked(self, wait: Callable[[], None] | None = None, timeout: float | None = None):
+        """``priority.lock`` (trainers hold it in ``update_priorities``): see ``files.flocked``
+        for ``wait`` (a worker's heartbeat) and ``timeout`` (the daemon's main thread)."""
+        return files.flocked(self._lock_fd, wait=wait, timeout=timeout, name=str(self.path / LOCK))
 
     @property
     def max_leaf(self) -> float:
@@ -140,18 +143,27 @@ class PriorityTree:
     def total(self) -> float:
         return float(self.levels[-1][0])
 
-    def enter(self, first: int, n: int) -> None:
+    def enter(self, first: int, n: int, wait: Callable[[], None] | None = None) -> None:
         """New rows (just committed: ``n`` slots from slot ``first``, wrapping around the ring)
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
+        self._set_runs(first, n, None, wait)
+
+    def vacate(self, first: int, n: int, wait: Callable[[], None] | None = None) -> None:
+        """Slots just reserved for new rows lose the overwritten rows' priority (0: not drawn)
+        until the new rows enter: a writer that dies between its commit and ``enter`` leaves
+        leaves of 0, which recovery finds, not the old rows' priorities."""
+        self._set_runs(first, n, 0.0, wait)
+
+    def _set_runs(self, first: int, n: int, value: float | None, wait: Callable[[], None] | None) -> None:
         if n <= 0:
             return
-        with self.locked():
+        with self.locked(wait):
             for run, _ in files.segments(first, n, self.capacity):
-                self.levels[0][run] = self._max[0]
+                self.levels[0][run] = self._max[0] if value is None else value
                 self._propagate_run(run.start, run.stop)
 
     def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
-               expected_seq: np.ndarray | None = None) -> int:
+               expected_seq: np.ndarray | None = None, timeout: float | None = None) -> int:
         """Set leaf values; with ``seq``/``expected_seq`` only where the slot still holds the
         sampled row (``seq[slot] == expected_seq``). Returns how many leaves were set."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -164,7 +176,7 @@ class PriorityTree:
             raise ValueError("priorities must be finite and >= 0")
         if expected_seq is not None and np.size(expected_seq) != slots.size:
             raise ValueError(f"{slots.size} indices but {np.size(expected_seq)} write indices")
-        with self.locked():
+        with self.locked(timeout=timeout):
             if seq is not None:
                 keep = seq[slots] == expected_seq
                 slots, leaves = slots[keep], leaves[keep]
@@ -177,11 +189,11 @@ class PriorityTree:
             self._propagate(np.sort(slots))
         return int(slots.size)
 
-    def clear(self, slots: np.ndarray) -> None:
+    def clear(self, slots: np.ndarray, wait: Callable[[], None] | None = None) -> None:
         """Make slots unsampleable (rows cleared by recovery)."""
         slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size:
-            with self.locked():
+            with self.locked(wait):
                 self.levels[0][slots] = 0.0
                 self._propagate(slots)
 

@@ -120,15 +120,20 @@ class Sampling:
         waited_from = None
         while True:
             self.reader.check_attached()  # before every attempt: a storage that left would never fill
-            why = self.limiter.sample_blocked(len(self.reader)) if self.limiter is not None else None
+            why, taken = self.limiter.take_samples(n, len(self.reader)) if self.limiter is not None else (None, 0)
             if why is None:
-                out = attempt()
+                try:
+                    out = attempt()
+                except BaseException:
+                    if self.limiter is not None:
+                        self.limiter.give_back(taken)
+                    raise
                 if out is not None:
                     if waited_from is not None:
                         self.limiter.add_reader_blocked(time.monotonic() - waited_from)
-                    if self.limiter is not None:
-                        self.limiter.count_samples(n)
                     return out
+                if self.limiter is not None:
+                    self.limiter.give_back(taken)
                 why = self._empty_reason(none_found)
             elif waited_from is None:
                 waited_from = time.monotonic()
@@ -157,7 +162,10 @@ class Sampling:
             return "every priority is 0"
         if self._min_version is not None:
             lag = f"rows with policy_version >= {self._min_version} (max_policy_lag {self.max_policy_lag})"
-            return f"no {lag}" if none_found is None else f"{none_found}, among {lag}"
+            held = self.limiter.insert_blocked() if self.limiter is not None else None
+            held = f"; the rate limiter holds the workers back ({held}): each writes one chunk per new " \
+                   "weights version all the same" if held else ""
+            return (f"no {lag}" if none_found is None else f"{none_found}, among {lag}") + held
         return none_found or "no committed rows could be copied"
 
     def update_priorities(self, index, priority, write_index=None) -> int:
@@ -210,21 +218,26 @@ class Sampling:
         got = self._gather(n, draw, filled, None if into is None else into[2])
         if got is None:
             return None
-        records, columns, slots = got
-        out = r._finish(records, columns, n, self._priority_keys(slots) if self.tree is not None else None, into)
+        records, columns, slots, leaves = got
+        out = r._finish(records, columns, n, self._priority_keys(slots, leaves) if self.tree is not None else None,
+                        into)
         self._note_lag(out)
         return out
 
     def _gather(self, n: int, draw: Callable[[int], np.ndarray | None], filled: int, into: list | None = None):
         """Copy ``n`` rows drawn by ``draw`` (their large leaves into the tensors ``into``, if
         given), re-drawing those that were not committed, changed, or are too old;
-        ``(records, columns, slots)`` or ``None`` when no row qualifies."""
+        ``(records, columns, slots, leaves)`` or ``None`` when no row qualifies. ``leaves``
+        (prioritized) are the drawn slots' leaves read before the copy: a writer reserving a
+        slot later zeroes its leaf, but marks the slot odd first, so a leaf read as 0 here
+        belongs to a row the copy rejects."""
         r = self.reader
         slots = draw(n)
         if slots is None:
             return None
+        leaves = None if self.tree is None else self.tree.levels[0][slots]
         records, columns, bad = r._copy(slots, into)
-        bad = self._rejected(records, bad, n)
+        bad = self._rejected(records, bad, n, leaves)
         accept = 1.0 - (0 if bad is None else bad.size) / n  # the share of draws kept: how many more to draw
         rounds = 0
         while bad is not None:
@@ -238,15 +251,18 @@ class Sampling:
             fresh = self._candidates(draw, bad.size, accept)
             if fresh is None:
                 return None
+            fresh_leaves = None if leaves is None else self.tree.levels[0][fresh]
             sub_records, sub_columns, sub_bad = r._copy(fresh)
             records[bad] = sub_records
             slots[bad] = fresh
+            if leaves is not None:
+                leaves[bad] = fresh_leaves
             tbad = torch.from_numpy(bad)
             for column, sub in zip(columns, sub_columns):
                 column[tbad] = sub
-            still = self._rejected(sub_records, sub_bad, bad.size)
+            still = self._rejected(sub_records, sub_bad, bad.size, fresh_leaves)
             bad = None if still is None else bad[still]
-        return records, columns, slots
+        return records, columns, slots, leaves
 
     def _candidates(self, draw: Callable[[int], np.ndarray | None], k: int, accept: float) -> np.ndarray | None:
         """``k`` slots to copy in place of rejected rows. With the lag filter on, about
@@ -266,8 +282,14 @@ class Sampling:
             kept = np.concatenate((kept, slots[~recent][:k - kept.size]))
         return kept
 
-    def _rejected(self, records: np.ndarray, bad: np.ndarray | None, n: int) -> np.ndarray | None:
-        """Positions to re-draw: the seqlock's ``bad`` plus rows older than the lag allows."""
+    def _rejected(self, records: np.ndarray, bad: np.ndarray | None, n: int,
+                  leaves: np.ndarray | None = None) -> np.ndarray | None:
+        """Positions to re-draw: the seqlock's ``bad``, rows whose leaf was read as 0 (a writer
+        had reserved the slot: the row copied may be its new one, not yet entered), and rows
+        older than the lag allows."""
+        if leaves is not None and not leaves.all():
+            zero = np.flatnonzero(leaves == 0)
+            bad = zero if bad is None else np.union1d(bad, zero)
         if self._min_version is None or self._version_at is None:
             return bad
         versions = np.ndarray((n,), np.int64, records, self._version_at, (self._record_bytes,))
@@ -350,10 +372,11 @@ class Sampling:
             return {}
         return {INDEX: torch.empty(n, dtype=torch.int64), WEIGHT: torch.empty(n, dtype=torch.float32)}
 
-    def _priority_keys(self, slots: np.ndarray) -> dict:
+    def _priority_keys(self, slots: np.ndarray, leaves: np.ndarray) -> dict:
         """The slots, and importance weights ``(N * P(i)) ** -beta`` over the batch's largest:
-        ``N`` and the total cancel, leaving ``(min leaf / leaf) ** beta``."""
-        leaf = np.maximum(self.tree.levels[0][slots], np.finfo(np.float64).tiny)  # cleared since the draw
+        ``N`` and the total cancel, leaving ``(min leaf / leaf) ** beta`` (the leaves they were
+        drawn with)."""
+        leaf = np.maximum(leaves, np.finfo(np.float64).tiny)
         w = (leaf.min() / leaf) ** self.beta
         return {INDEX: torch.from_numpy(slots.copy()), WEIGHT: torch.from_numpy(w.astype(np.float32))}
 

@@ -21,7 +21,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -134,6 +134,9 @@ class ReplayStorage(MappedStore):
             super().close()
             raise CorruptStorage(f"{self.path / 'lock'} is missing; the storage is incomplete") from None
         self._write_lock = threading.RLock()  # held from reservation to commit
+        # called while a write waits on priority.lock, which a trainer stopped inside
+        # update_priorities may hold for long: a worker sets its heartbeat here (files.flocked)
+        self.lock_wait: Callable[[], None] | None = None
         try:  # new rows enter the prioritized-sampling tree at max priority (ingestd.replay.priority)
             self._priorities = PriorityTree.attach(self.path, self.capacity, self.seq)
             limiter.ensure_file(self.path)  # the rate limiter's shared words (ingestd.replay.limiter)
@@ -242,11 +245,19 @@ class ReplayStorage(MappedStore):
                         cleared += 1
         if cleared:
             self._priorities.clear(np.flatnonzero(self.seq == 0))
+        self.enter_unentered()
+        return cleared
+
+    def enter_unentered(self, timeout: float | None = None) -> int:
+        """Committed rows whose writer died between its commit and entering them in the priority
+        tree (their leaves are 0: slots are vacated when reserved) enter now, at the maximum
+        priority; returns how many. The daemon runs this at start and after a worker died, with
+        a ``timeout`` (``LockBusy``: a trainer holds ``priority.lock``; try again later)."""
         tree = self._priorities
         unentered = np.flatnonzero((self.seq > 0) & ((self.seq & 1) == 0) & (tree.levels[0][:self.capacity] == 0))
         if unentered.size:
-            tree.update(unentered, np.full(unentered.size, tree.max_leaf))
-        return cleared
+            tree.update(unentered, np.full(unentered.size, tree.max_leaf), timeout=timeout)
+        return int(unentered.size)
 
     def next_incarnation(self) -> int:
         """A persistent, never-repeating number (used to make episode ids unique forever)."""
@@ -279,16 +290,18 @@ class ReplayStorage(MappedStore):
         with self._write_lock:
             index = self._reserve(n)
             slots = None
+            first, wait = int(index[0]) % self.capacity, self.lock_wait
             try:
+                self._priorities.vacate(first, index.size, wait)  # the overwritten rows' priority goes
                 slots = Slots(self, index)
                 yield slots
             finally:
                 try:  # the tree is set while the slots are still ours: a writer lapping the ring waits
                     if slots is not None and slots.committed:
-                        self._priorities.enter(int(index[0]) % self.capacity, index.size)
+                        self._priorities.enter(first, index.size, wait)
                     else:
                         self._set_seq(index, np.zeros_like(index))  # never leave a slot odd behind
-                        self._priorities.clear(index % self.capacity)  # nor the overwritten rows' priority mass
+                        self._priorities.clear(index % self.capacity, wait)  # nor any priority mass
                 finally:
                     self._release(index)
 

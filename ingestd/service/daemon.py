@@ -39,6 +39,8 @@ def _may_write(rec) -> bool:
     return not (state == State.RUNNING and int(rec["pause_reason"]) == PauseReason.LIMITER)
 
 
+RELOAD_LOCK_TRY_S = 0.5  # a reload waits this long at most for limiter.bin, which trainers lock
+
 class Daemon:
     """One running ingestd. ``run()`` blocks until a stop is requested."""
 
@@ -63,6 +65,7 @@ class Daemon:
         # command (run here, between supervisor ticks, it undid a scale or restart a command was
         # waiting on, which then timed out saying its request stayed in effect)
         self.reload_runner: Callable[[], None] | None = None
+        self._priorities_to_repair = False  # set when a worker died (see _repair_priorities)
         self._ready = False  # READY=1 sent (the workers wrote, or none ever will)
         self._listeners: list[Callable[..., None]] = []
         self.layout: Layout | None = None
@@ -86,6 +89,8 @@ class Daemon:
 
     def emit(self, kind: str, **fields) -> None:
         log.info("event %s %s", kind, fields)
+        if kind == "worker.died":  # it may have died between its commit and entering the rows' priorities
+            self._priorities_to_repair = True
         for listener in self._listeners:
             try:
                 listener(kind, **fields)
@@ -123,6 +128,8 @@ class Daemon:
             now = self.clock()
             self.supervisor.tick()
             self._run_calls()
+            if self._priorities_to_repair:
+                self._repair_priorities()
             if self._reload_requested:
                 self._reload_requested = False
                 if self.reload_runner is not None:
@@ -198,6 +205,21 @@ class Daemon:
             log.info("a SIGHUP arrived while starting: reloading the config")
             self._reload_requested = True
 
+    def _repair_priorities(self) -> None:
+        """Rows a dead worker committed but did not enter in the priority tree enter it now
+        (they are not drawn by prioritized readers until then). ``priority.lock`` is
+        trainer-writable: a trainer stopped inside ``update_priorities`` holds it, so this tries
+        without blocking the main loop, and again at the next tick."""
+        from ingestd.errors import LockBusy
+
+        try:
+            entered = self.layout.storage.enter_unentered(timeout=0.0)
+        except LockBusy:
+            return
+        self._priorities_to_repair = False
+        if entered:
+            log.info("%d row(s) a dead worker had committed entered the priority tree", entered)
+
     # -- operations (main thread) -----------------------------------------------------------
     def reload(self) -> dict:
         """Re-read the config file; apply what can change live, report the rest. The reload
@@ -232,14 +254,20 @@ class Daemon:
             raise ConfigError(exc.key, f"{exc.message}; with the running values of the keys that need a restart "
                                        f"({', '.join(needs_restart) or 'none changed'}), so nothing was applied: "
                                        "restart the daemon to apply the file") from None
+        if any(key.startswith("limiter.") for key in applied) and self.layout.limiter is not None:
+            from ingestd.errors import LockBusy
+            from ingestd.replay.limiter import params_of
+
+            try:  # first: nothing else is applied if it cannot be (never wait long in the main loop)
+                self.layout.limiter.configure(params_of(new.limiter), timeout=RELOAD_LOCK_TRY_S)
+            except LockBusy as exc:
+                log.error("reload refused, keeping the running config: %s", exc)
+                self._reloaded()
+                raise ConfigError("limiter", f"{exc}; nothing was applied: reload again") from None
         if "service.log_level" in applied:
             logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
         if "workers.count" in applied:
             self.supervisor.scale(new.workers.count)
-        if any(key.startswith("limiter.") for key in applied) and self.layout.limiter is not None:
-            from ingestd.replay.limiter import params_of
-
-            self.layout.limiter.configure(params_of(new.limiter))
         self.adopt(checked)
         self.supervisor.policy = restart_policy(self.config.workers)
         if needs_restart:

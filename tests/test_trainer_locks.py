@@ -1,0 +1,158 @@
+"""Lock files trainers write (``priority.lock``, ``limiter.bin``) held by a stopped trainer:
+workers keep beating while they wait, the daemon's main thread does not wait on them, rows a
+dying writer committed never keep an overwritten row's priority, and trainers that drop
+readers without closing them leak no descriptors (Ape-X review)."""
+from __future__ import annotations
+
+import fcntl
+import gc
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from sampling_rows import rows
+
+from ingestd.errors import LockBusy
+from ingestd.replay import ReplayReader, ReplayStorage
+from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, LimiterParams
+from ingestd.replay.priority import LOCK as PRIORITY_LOCK
+
+
+class Held:
+    """``path``'s flock taken through a description of our own, as another process would."""
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDWR)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def test_a_writer_beats_while_a_trainer_holds_the_priority_lock(shm_dir):
+    """A worker blocked in flock(priority.lock) sent no heartbeat: killed as hung, again and
+    again, then marked failed for good."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 1024) as store:
+        beats = []
+        store.lock_wait = lambda: beats.append(time.monotonic())
+        held = Held(store.path / PRIORITY_LOCK)
+        done = threading.Event()
+        writer = threading.Thread(target=lambda: (store.write(rows(8)), done.set()))
+        try:
+            writer.start()
+            time.sleep(0.3)
+            assert not done.is_set() and len(beats) > 10
+        finally:
+            held.release()
+        writer.join(10)
+        assert done.is_set() and store.write_count == 8
+
+
+def _commit_then_die(path: str) -> None:
+    store = ReplayStorage.open(path)
+    with store.reserved(16) as slots:
+        store._commit(slots, rows(16, start=slots.first))
+        os._exit(0)  # killed between the commit and entering the rows' priorities
+
+
+def test_rows_a_dying_writer_committed_never_keep_the_old_rows_priority(shm_dir):
+    """Their leaves kept the overwritten rows' priority, and recovery (leaves == 0) never
+    matched once the ring had wrapped."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 64) as store:
+        store.write(rows(64))
+        tree = store._priorities
+        tree.update(np.arange(64), np.full(64, 1e-3))
+        tree.update(np.array([63]), np.array([5.0]))  # the max new rows enter at
+        child = mp.get_context("fork").Process(target=_commit_then_die, args=(str(store.path),))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        assert store.write_count == 80 and (store.seq[:16] % 2 == 0).all()
+        assert (tree.levels[0][:16] == 0).all()  # not drawn (nor the old rows' 1e-3)
+        assert store.enter_unentered(timeout=0.0) == 16  # what the daemon does when a worker died
+        assert (tree.levels[0][:16] == 5.0).all() and tree.total == pytest.approx(16 * 5.0 + 47 * 1e-3 + 5.0)
+
+
+def test_the_daemon_thread_never_waits_long_on_a_trainers_lock(shm_dir):
+    """A limiter change (command or reload) blocked the daemon's main loop on limiter.bin while
+    a stopped trainer held it: no supervision meanwhile."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 64) as store:
+        store.write(rows(64))
+        store._priorities.clear(np.array([3]))  # one committed row not entered (a writer died)
+        lim = Limiter.attach(store.path)
+        held = [Held(store.path / LIMITER_FILE), Held(store.path / PRIORITY_LOCK)]
+        started = time.monotonic()
+        try:
+            with pytest.raises(LockBusy, match="limiter.bin is locked by another process"):
+                lim.configure(LimiterParams(True, 0, 1.0, -100.0, 100.0), timeout=0.1)
+            with pytest.raises(LockBusy, match="priority.lock is locked by another process"):
+                store.enter_unentered(timeout=0.0)
+        finally:
+            for h in held:
+                h.release()
+        assert time.monotonic() - started < 5
+        assert store.enter_unentered(timeout=0.0) == 1
+        assert not lim.configure(LimiterParams(False, 0, 1.0, -100.0, 100.0), timeout=0.1).enabled
+        lim.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_readers_dropped_without_close_leak_no_descriptors(shm_dir):
+    """Each prioritized, rate-limited reader garbage-collected without close() kept
+    priority.lock and limiter.bin open: 6 -> 206 descriptors over 200 readers."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 1024) as store:
+        store.write(rows(64))
+        ReplayReader(store.path, sampler="prioritized").sample(8)  # warm imports and caches
+        gc.collect()
+        before = _fds()
+        for _ in range(50):
+            ReplayReader(store.path, sampler="prioritized").sample(8)
+        gc.collect()
+        assert _fds() <= before + 2
+
+
+def test_trainers_checking_together_overshoot_the_window_by_one_batch_not_one_each(shm_dir):
+    with ReplayStorage.create(shm_dir / "r", rows(1), 1024) as store:
+        store.write(rows(100))
+        a, b = Limiter.attach(store.path), Limiter.attach(store.path)
+        try:
+            a.configure(LimiterParams(True, 0, 1.0, 0.0, 1000.0))  # error starts at 0: room for nothing
+            store.write(rows(10))  # error 10
+            assert a.take_samples(64, len(store)) == (None, 64)  # error -54
+            why, taken = b.take_samples(64, len(store))  # checked after a's count, under the lock
+            assert taken == 0 and "trainer is ahead" in why
+            a.give_back(64)  # a's sample found nothing
+            assert b.error() == 10
+        finally:
+            a.close()
+            b.close()
+
+
+def test_workers_outlast_a_trainer_stopped_inside_update_priorities(tmp_path):
+    """The daemon end to end: priority.lock held for three heartbeat timeouts costs no restart,
+    and collection goes on once it is released."""
+    from daemon_proc import DaemonProc, wait_for
+
+    from ingestd.control.client import ControlClient
+
+    with DaemonProc(overrides={"workers.count": 1, "workers.heartbeat_timeout_s": 1.0}) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            held = Held(d.replay_path / PRIORITY_LOCK)
+            try:
+                time.sleep(3.0)
+                frames = client.status().workers[0].frames
+            finally:
+                held.release()
+            wait_for(lambda: client.status().workers[0].frames > frames, 10, "collection after the release")
+            worker = client.status().workers[0]
+            assert worker.restarts == 0 and worker.state == "running", worker
