@@ -146,21 +146,22 @@ class PriorityTree:
     def enter(self, first: int, n: int, wait: Callable[[], None] | None = None) -> None:
         """New rows (just committed: ``n`` slots from slot ``first``, wrapping around the ring)
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
-        self._set_runs(first, n, None, wait)
-
-    def vacate(self, first: int, n: int, wait: Callable[[], None] | None = None) -> None:
-        """Slots just reserved for new rows lose the overwritten rows' priority (0: not drawn)
-        until the new rows enter: a writer that dies between its commit and ``enter`` leaves
-        leaves of 0, which recovery finds, not the old rows' priorities."""
-        self._set_runs(first, n, 0.0, wait)
-
-    def _set_runs(self, first: int, n: int, value: float | None, wait: Callable[[], None] | None) -> None:
         if n <= 0:
             return
         with self.locked(wait):
             for run, _ in files.segments(first, n, self.capacity):
-                self.levels[0][run] = self._max[0] if value is None else value
+                self.levels[0][run] = self._max[0]
                 self._propagate_run(run.start, run.stop)
+
+    def vacate(self, first: int, n: int) -> None:
+        """Slots just reserved for new rows: their leaves (the overwritten rows' priorities) are
+        zeroed, so a writer that dies between its commit and ``enter`` leaves leaves of 0, which
+        :meth:`ingestd.replay.storage.ReplayStorage.enter_unentered` finds, rather than the old
+        rows' priorities. No lock and no re-summing (a write costs no second tree update): the
+        ancestors keep the old mass until ``enter`` re-sums the run (a descent meanwhile may end
+        on a zero leaf, which the sampler draws again, as for any descent racing a change)."""
+        for run, _ in files.segments(first, n, self.capacity):
+            self.levels[0][run] = 0.0
 
     def update(self, slots: np.ndarray, leaves: np.ndarray, seq: np.ndarray | None = None,
                expected_seq: np.ndarray | None = None, timeout: float | None = None) -> int:
@@ -196,6 +197,13 @@ class PriorityTree:
             with self.locked(wait):
                 self.levels[0][slots] = 0.0
                 self._propagate(slots)
+
+    def resum(self, timeout: float | None = None) -> None:
+        """Re-sum every node from the leaves (a few ms at 1M slots): after writers died between
+        ``vacate`` and ``enter``, their runs' ancestors still held the overwritten rows' mass."""
+        with self.locked(timeout=timeout):
+            for lvl, block in enumerate(self._blocks):
+                self.levels[lvl + 1][:] = block.sum(axis=1)
 
     def _propagate(self, idx: np.ndarray) -> None:
         """Re-sum the ancestors of sorted leaf indices ``idx``, level by level."""

@@ -257,6 +257,7 @@ class ReplayStorage(MappedStore):
         unentered = np.flatnonzero((self.seq > 0) & ((self.seq & 1) == 0) & (tree.levels[0][:self.capacity] == 0))
         if unentered.size:
             tree.update(unentered, np.full(unentered.size, tree.max_leaf), timeout=timeout)
+        tree.resum(timeout)  # and the ancestors of runs vacated by writers that died before entering them
         return int(unentered.size)
 
     def next_incarnation(self) -> int:
@@ -292,7 +293,7 @@ class ReplayStorage(MappedStore):
             slots = None
             first, wait = int(index[0]) % self.capacity, self.lock_wait
             try:
-                self._priorities.vacate(first, index.size, wait)  # the overwritten rows' priority goes
+                self._priorities.vacate(first, index.size)  # the overwritten rows' priority goes
                 slots = Slots(self, index)
                 yield slots
             finally:
