@@ -83,9 +83,10 @@ class DaemonUnavailable(IngestdError, ConnectionError):
 class CommandFailed(IngestdError, RuntimeError):
     """The daemon answered with an error reply; ``code`` is the stable error code."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, details: dict | None = None):
         self.code = code
         self.message = message
+        self.details = details or {}  # the error reply's other fields: a timed-out push's ``version``
         super().__init__(f"{code}: {message}")
 
 

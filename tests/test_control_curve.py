@@ -41,6 +41,19 @@ def _keys(made, name: str) -> CurveKeys:
     return CurveKeys.load(made["server"][0], made[name][1])
 
 
+def _paused_event(client: ControlClient, stream: EventStream):
+    """The first event ``stream`` hears while ``client`` pauses and resumes (a subscription
+    becomes live a little after it connects); fails after 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        client.pause()
+        client.resume()
+        got = stream.next(0.3)
+        if got is not None:
+            return got
+    raise AssertionError("no event within 10 s")
+
+
 def _alive(d: DaemonProc, client: ControlClient) -> bool:
     assert d.proc.poll() is None, d.log()
     try:
@@ -81,13 +94,7 @@ def test_events_need_an_authorised_key_too(daemon, keys):
         assert address.startswith("tcp://")
         with EventStream(address, ("paused",), curve_keys=_keys(made, "trainer")) as good, \
                 EventStream(address, ("paused",), curve_keys=_keys(made, "intruder")) as bad:
-            got = None
-            deadline = time.monotonic() + 10
-            while got is None and time.monotonic() < deadline:
-                c.pause()
-                c.resume()
-                got = good.next(0.3)
-            assert got is not None and got.topic == "paused"
+            assert _paused_event(c, good).topic == "paused"
             assert bad.next(0.3) is None
 
 
@@ -153,13 +160,7 @@ def test_local_tools_need_no_keys_beside_a_tcp_socket(daemon):
         assert pong["events_address"].startswith("tcp://")
         assert pong["events_local"] == f"ipc://{daemon.runtime_dir}/events.sock"
         with EventStream.of(c, ("paused",)) as stream:  # follows the local event socket, keyless
-            got = None
-            deadline = time.monotonic() + 10
-            while got is None and time.monotonic() < deadline:
-                c.pause()
-                c.resume()
-                got = stream.next(0.3)
-            assert got is not None and got.topic == "paused"
+            assert _paused_event(c, stream).topic == "paused"
         assert c.reload().applied == []
     assert cli.main(["--connect", local, "--timeout", "5", "status"]) == 0
 

@@ -51,7 +51,8 @@ def test_reload_says_there_is_no_config_file(daemon, client, capsys):
     assert code == 0, err
     assert "no config file to re-read" in out and "embedded default config" in out, out
     code, out, err = run(daemon, capsys, "reload", as_json=True)
-    assert json.loads(out)["result"] == {"applied": [], "not_applied": [], "config_file": None}
+    assert json.loads(out)["result"] == {"applied": [], "not_applied": [], "config_file": None,
+                                         "authorized_keys": None, "authorized_keys_error": None}  # no CURVE
 
 
 def test_ping_and_status_tell_the_bound_metrics_port(daemon, client, capsys):

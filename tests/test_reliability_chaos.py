@@ -36,6 +36,11 @@ SETTINGS = {"workers.count": WORKERS, "workers.env": "Checksum", "workers.policy
             "service.stop_timeout_s": 10.0}
 
 
+def _running(stats: StatsBlock) -> list[int]:
+    """Workers running now, with their pid (a worker waiting to restart shows pid 0)."""
+    return [i for i in range(WORKERS) if stats.state(i) == State.RUNNING and int(stats[i]["pid"]) > 0]
+
+
 def back_after(stats: StatsBlock, worker: int, old_pid: int, since: float, timeout: float) -> float:
     """Seconds from ``since`` until ``worker`` runs again as a new process (polled every ms)."""
     deadline = since + timeout
@@ -68,10 +73,9 @@ def test_worker_chaos_kills_and_a_hang():
             end = time.monotonic() + CHAOS_S
             while time.monotonic() < end:
                 d.remember_children()
-                running = wait_for(lambda: [i for i in range(WORKERS) if stats.state(i) == State.RUNNING], 10,
-                                   "a running worker to kill")
-                worker = rng.choice(running)
+                worker = rng.choice(wait_for(lambda: _running(stats), 10, "a running worker to kill"))
                 old = int(stats[worker]["pid"])
+                assert old > 0  # os.kill(0, ...) would signal this test's own process group
                 t0 = time.monotonic()
                 os.kill(old, signal.SIGKILL)
                 kills[worker] += 1
@@ -81,8 +85,9 @@ def test_worker_chaos_kills_and_a_hang():
                 time.sleep(max(0.0, t0 + KILL_EVERY_S - time.monotonic()))
 
             d.remember_children()
-            hung = rng.randrange(WORKERS)
+            hung = rng.choice(wait_for(lambda: _running(stats), 10, "a running worker to hang"))
             old = int(stats[hung]["pid"])
+            assert old > 0
             t0 = time.monotonic()
             os.kill(old, signal.SIGSTOP)
             hang_latency = back_after(stats, hung, old, t0, HEARTBEAT_S + 8)

@@ -463,3 +463,25 @@ def test_a_sighup_waits_for_a_scale_in_flight_instead_of_undoing_it(daemon, clie
     with ControlClient(daemon.control_address, timeout=5.0) as c:
         wait_for(lambda: c.status().count == 2 and len(c.status().workers) == 2, 20,
                  "the reload (count = 2 from --set) to apply after the scale")
+
+
+def test_a_push_that_times_out_says_which_version_it_published(daemon, client):
+    """The version of a push(wait=True) that timed out was published all the same, but only the
+    error text said which (chaos review): a trainer mapping versions to checkpoints needs it."""
+    import os
+    import signal
+
+    from ingestd.errors import CommandFailed
+
+    wait_for(lambda: client.status().workers[0].state == "running", 20, "worker 0 to run")
+    pid = client.status().workers[0].pid
+    assert pid > 0  # (os.kill(0, ...) would stop this test's own process group)
+    os.kill(pid, signal.SIGSTOP)  # a hang (well inside the heartbeat timeout)
+    try:
+        with pytest.raises(CommandFailed) as failed:
+            client.push_weights(control_plugins.weights(1.0), wait=True, timeout_s=0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert failed.value.code == "timeout"
+    version = failed.value.details["version"]
+    assert client.status().weights_version == version and f"version {version}" in failed.value.message

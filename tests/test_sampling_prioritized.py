@@ -434,3 +434,24 @@ def test_the_files_trainers_write_are_group_writable_under_the_units_umask(shm_d
     mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (shm_dir / "r").iterdir()}
     assert mode["priority.bin"] == mode["priority.lock"] == mode["limiter.bin"] == 0o660, mode
     assert mode["data.bin"] == mode["header.bin"] == 0o640, mode  # the rows stay read-only for the group
+
+
+def test_beta_can_be_annealed_on_a_live_reader(shm_dir):
+    """PER and Ape-X anneal beta towards 1; only the private reader._sampling.beta could change."""
+    import pickle
+
+    with make(shm_dir / "r", capacity=16, n=16) as store, \
+            ReplayReader(store.path, seed=0, sampler="prioritized", alpha=1.0, beta=0.0) as r:
+        prio = np.ones(16)
+        prio[0] = 15.0
+        r.update_priorities(np.arange(16), prio, write_index=np.arange(16))
+        assert np.allclose(r.sample(256)["ingestd", "weight"].numpy(), 1.0)  # beta 0: no correction
+        r.beta = 1.0
+        s = r.sample(4096)
+        w, idx = s["ingestd", "weight"].numpy(), s["ingestd", "index"].numpy()
+        assert np.allclose(w[idx == 0], 1 / 15, rtol=1e-4) and r.beta == 1.0
+        for bad in (-0.1, float("nan"), float("inf"), True, "1"):
+            with pytest.raises(ValueError, match="beta must be"):
+                r.beta = bad
+        with pickle.loads(pickle.dumps(r)) as copy:
+            assert copy.beta == 1.0

@@ -167,7 +167,7 @@ def _main(argv: list[str] | None) -> int:
             client.close()
     except CommandFailed as exc:
         retryable = exc.code in {c.value for c in ErrorCode if c.retryable}
-        return out.error(exc.code, exc.message, EX_TEMPFAIL if retryable else EX_FAILED)
+        return out.error(exc.code, exc.message, EX_TEMPFAIL if retryable else EX_FAILED, exc.details)
     except DaemonUnavailable as exc:
         return out.error("daemon_unavailable", str(exc), EX_UNAVAILABLE)
     except BadReply as exc:
@@ -197,9 +197,10 @@ class Output:
             print(text() if callable(text) else text)
         return EX_OK
 
-    def error(self, code: str, message: str, exit_code: int) -> int:
+    def error(self, code: str, message: str, exit_code: int, details: dict | None = None) -> int:
         if self.as_json:
-            print(json.dumps({"ok": False, "error": {"code": code, "message": message}}, sort_keys=True))
+            print(json.dumps({"ok": False, "error": {**(details or {}), "code": code, "message": message}},
+                             sort_keys=True))
         print(f"ingestctl: {code}: {message}", file=sys.stderr)
         return exit_code
 

@@ -60,10 +60,11 @@ class ErrorCode(str, enum.Enum):
 class RequestError(Exception):
     """Raised while decoding or handling a request; becomes an error reply (server side)."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, details: dict | None = None):
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+        self.details = details or {}  # extra fields of the error object (a timed-out push's ``version``)
 
 
 @dataclass(frozen=True)
@@ -226,10 +227,10 @@ def encode_result(request_id: RequestId, result: Any) -> bytes:
     return b'{"v":%d,"id":%s,"ok":true,"result":%s}' % (PROTOCOL_VERSION, encode_id(request_id), encode_value(result))
 
 
-def encode_error(request_id: RequestId, code: ErrorCode, message: str) -> bytes:
+def encode_error(request_id: RequestId, code: ErrorCode, message: str, details: dict | None = None) -> bytes:
     message = message if len(message) <= MAX_ERROR_MESSAGE else message[:MAX_ERROR_MESSAGE] + "..."
     return dumps({"v": PROTOCOL_VERSION, "id": request_id, "ok": False,
-                  "error": {"code": code.value, "message": message}})
+                  "error": {**(details or {}), "code": code.value, "message": message}})
 
 
 def jsonable(value: Any) -> Any:
@@ -252,13 +253,14 @@ class Reply:
     result: Any = None
     code: str | None = None
     message: str | None = None
+    details: dict | None = None  # the error object's other fields
 
     def unwrap(self) -> Any:
         """The result, or ``CommandFailed`` carrying the stable error code (for ``bad_weights``
         its subclass ``WeightsRejected``, which is a ``BadWeights`` too)."""
         if self.ok:
             return self.result
-        raise _FAILURES.get(self.code, CommandFailed)(self.code, self.message)
+        raise _FAILURES.get(self.code, CommandFailed)(self.code, self.message, self.details)
 
 
 _FAILURES: dict[str | None, type[CommandFailed]] = {ErrorCode.BAD_WEIGHTS.value: WeightsRejected}
@@ -281,4 +283,5 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     error = obj.get("error")
     if not isinstance(error, dict) or not isinstance(error.get("code"), str):
         raise BadReply(f"error reply without an error code: {str(obj)[:200]}")
-    return Reply(obj.get("id"), False, code=error["code"], message=str(error.get("message", "")))
+    details = {k: v for k, v in error.items() if k not in ("code", "message")}
+    return Reply(obj.get("id"), False, code=error["code"], message=str(error.get("message", "")), details=details)

@@ -354,7 +354,7 @@ class ControlServer:
             else:
                 self._start_slow(route, cmd, request_id, handler, request)
         except RequestError as exc:
-            self._reply(route, cmd, encode_error(request_id, exc.code, exc.message), exc.code.value)
+            self._reply(route, cmd, encode_error(request_id, exc.code, exc.message, exc.details), exc.code.value)
         except Exception as exc:
             log.exception("control: %s failed", cmd)
             self._reply(route, cmd, encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"),
@@ -374,7 +374,7 @@ class ControlServer:
         try:
             reply, outcome = encode_result(request_id, handler.run(self.ctx, request)), "ok"
         except RequestError as exc:
-            reply, outcome = encode_error(request_id, exc.code, exc.message), exc.code.value
+            reply, outcome = encode_error(request_id, exc.code, exc.message, exc.details), exc.code.value
         except Exception as exc:
             log.exception("control: %s failed", cmd)
             reply = encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")

@@ -391,6 +391,21 @@ class ReplayReader(MappedStore):
         return self._sampling.sample_sequences(batch_size, length, cross_episodes, timeout)
 
     @property
+    def beta(self) -> float:
+        """The importance-sampling exponent of a prioritized reader's weights. Settable, for
+        the usual annealing towards 1 over training (``reader.beta = min(1.0, b0 + k * step)``);
+        the next sample uses it. A copy attached in another process keeps the value it had."""
+        return self._sampling.beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not 0 <= value < math.inf:
+            raise ValueError(f"beta must be a finite number >= 0, got {value!r}")
+        self._sampling.beta = float(value)
+        self._options["beta"] = float(value)
+
+    @property
     def last_policy_lag(self) -> tuple[int, float, int] | None:
         """``(min, mean, max)`` policy lag of the last sample (needs the weights version)."""
         return self._sampling.last_lag
