@@ -365,25 +365,3 @@ def test_default_control_address(environ, expected):
 def test_bad_ingestd_control_names_the_variable():
     with pytest.raises(ConfigError, match="INGESTD_CONTROL"):
         default_control_address({"INGESTD_CONTROL": "localhost:7000"}, uid=7)
-
-
-def test_a_reload_of_a_file_emptied_in_place_is_refused(tmp_path):
-    """An editor or config tool truncating the file while a reload ran: the empty file reloaded
-    "ok" and set every live key back to its default (chaos review). A daemon started on an
-    empty file (all --set) still reloads it."""
-    from ingestd.errors import ConfigFileError
-    from ingestd.service.config import load_config
-    from ingestd.service.daemon import Daemon
-
-    path = tmp_path / "ingestd.toml"
-    path.write_text("[workers]\ncount = 3\n")
-    environ = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    daemon = Daemon(load_config(path), str(path), (), environ)
-    for emptied in ("", "\n# being rewritten\n"):
-        path.write_text(emptied)
-        with pytest.raises(ConfigFileError, match="holds no settings now, but did when last read"):
-            daemon.reload()
-    assert daemon.config.workers.count == 3
-    path.write_text("")
-    started_empty = Daemon(load_config(path, ["workers.count=3"]), str(path), ("workers.count=3",), environ)
-    assert started_empty._file_had_settings is False  # its reloads go on as before

@@ -16,7 +16,7 @@ import torch
 
 from ingestd.collect.inherited import daemon_only
 from ingestd.collect.stats import Desired, PauseReason, State
-from ingestd.errors import ConfigError, ConfigFileError, DaemonAlreadyRunning
+from ingestd.errors import ConfigError, DaemonAlreadyRunning
 from ingestd.service.config import toml_value, with_overrides
 from ingestd.service.layout import Layout, build_layout, check_owned, make_dir, raise_unusable_path
 from ingestd.service.notify import Notifier, unset_environment
@@ -49,7 +49,6 @@ class Daemon:
         from ingestd.service.config import resolve_paths
 
         self.config, self.config_path, self.overrides = config, config_path, tuple(overrides)
-        self._file_had_settings = _has_settings(config_path)  # see _reload
         self.environ, self.clock = environ, clock
         self.paths = resolve_paths(config, environ)
         self.notifier = Notifier(environ)
@@ -240,13 +239,6 @@ class Daemon:
         from ingestd.service.config import load_config, reloadable_diff
 
         try:
-            if self._file_had_settings and not _has_settings(self.config_path):
-                # a file truncated by an editor or a config tool writing it in place: reloaded, it
-                # would set every live key back to its default (scale the workers, drop the limiter)
-                raise ConfigFileError(str(self.config_path), "it holds no settings now, but did when last "
-                                      "read (being rewritten in place?); nothing was applied: reload once it "
-                                      "is complete, and replace config files atomically (write a new file, "
-                                      "then rename it over the old one)")
             new = load_config(self.config_path, self.overrides)
         except Exception as exc:
             log.error("reload failed, keeping the running config: %s", exc)
@@ -280,7 +272,6 @@ class Daemon:
         self.supervisor.policy = restart_policy(self.config.workers)
         if needs_restart:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
-        self._file_had_settings = _has_settings(self.config_path)
         log.info("reload: applied %s", ", ".join(applied) or "nothing (no live change)")
         self._reloaded()
         self.emit("config.reloaded", applied=applied, not_applied=needs_restart, **extra)
@@ -427,15 +418,3 @@ def _with_live(old, new, applied: list[str]):
         part = dataclasses.replace(getattr(result, section), **{key: getattr(getattr(new, section), key)})
         result = dataclasses.replace(result, **{section: part})
     return result
-
-
-def _has_settings(path: str | None) -> bool:
-    """Whether the config file holds anything but blank lines and comments (False if there is
-    no file, or it cannot be read: load_config reports that)."""
-    if path is None:
-        return False
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return False
-    return any(line.strip() and not line.strip().startswith("#") for line in text.splitlines())
