@@ -180,3 +180,33 @@ def test_ipv6_addresses_bind_and_connect():
         client.close(0)
         router.close(0)
         server._context.term()
+
+
+def test_config_check_reads_the_key_files(made, tmp_path, capsys):
+    """A missing secret key or authorised-keys dir passed `ingestd config check`, and `ingestd
+    run` exited 78 only after building the env (operator review)."""
+    from ingestd.service import cli
+
+    path = tmp_path / "ingestd.toml"
+    path.write_text("")
+    base = [f'service.runtime_dir="{tmp_path}/run"', f'service.data_dir="{tmp_path}/data"',
+            f'control.address="tcp://127.0.0.1:{free_port()}"']
+    cases = {
+        "control.address": [],
+        "control.curve_secret_key": [f'control.curve_secret_key="{tmp_path}/nope.key_secret"',
+                                     f'control.curve_authorized_keys="{tmp_path}/authorized"'],
+        "control.curve_authorized_keys": [f'control.curve_secret_key="{made["a"][1]}"',
+                                          f'control.curve_authorized_keys="{tmp_path}/nope"'],
+    }
+    for key, settings in cases.items():
+        args = ["config", "check", str(path)]
+        for setting in base + settings:
+            args += ["--set", setting]
+        assert cli.main(args) == 78, key
+        assert f"config key '{key}'" in capsys.readouterr().err, key
+    good = ["config", "check", str(path)]
+    for setting in base + [f'control.curve_secret_key="{made["a"][1]}"',
+                           f'control.curve_authorized_keys="{tmp_path}/authorized"']:
+        good += ["--set", setting]
+    assert cli.main(good) == 0, capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

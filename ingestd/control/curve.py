@@ -235,27 +235,44 @@ class Authenticator:
         return n
 
     def _scan(self) -> set[bytes]:
-        """The public keys of the ``*.key`` files in the directory (a file may also hold just the
-        40-character key); files that hold none are skipped with a warning."""
-        try:
-            with os.scandir(self.directory) as entries:
-                names = sorted(e.name for e in entries if e.name.endswith(".key"))
-        except OSError as exc:
-            raise KeyFileError(f"cannot read the authorised-keys directory {self.directory}: "
-                               f"{exc.strerror}") from None
-        keys = set()
-        for name in names:
-            path = self.directory / name
-            try:
-                public = _public_of(path)
-            except KeyFileError as exc:
-                log.warning("CURVE: skipping %s", exc)
-                continue
-            keys.add(public)
-        return keys
+        return authorized_keys(self.directory)
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+def authorized_keys(directory: str | os.PathLike) -> set[bytes]:
+    """The public keys of the ``*.key`` files in ``directory`` (a file may also hold just the
+    40-character key); files that hold none are skipped with a warning. ``KeyFileError`` if the
+    directory cannot be read."""
+    directory = Path(directory)
+    try:
+        with os.scandir(directory) as entries:
+            names = sorted(e.name for e in entries if e.name.endswith(".key"))
+    except OSError as exc:
+        raise KeyFileError(f"cannot read the authorised-keys directory {directory}: {exc.strerror}") from None
+    keys = set()
+    for name in names:
+        try:
+            keys.add(_public_of(directory / name))
+        except KeyFileError as exc:
+            log.warning("CURVE: skipping %s", exc)
+    return keys
+
+
+def check_files(secret_key: str | os.PathLike, authorized: str | os.PathLike) -> None:
+    """What the daemon reads at start (``ingestd config check`` and ``ingestd run`` check it
+    before anything else): ``ConfigError`` naming the key whose file is missing or unusable."""
+    from ingestd.errors import ConfigError
+
+    try:
+        load_secret(secret_key)
+    except KeyFileError as exc:
+        raise ConfigError("control.curve_secret_key", str(exc)) from None
+    try:
+        authorized_keys(authorized)
+    except KeyFileError as exc:
+        raise ConfigError("control.curve_authorized_keys", str(exc)) from None
 
 
 def _public_of(path: Path) -> bytes:
