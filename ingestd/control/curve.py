@@ -180,7 +180,7 @@ class Authenticator:
 
         self.directory = Path(directory)
         self._on_refuse = on_refuse
-        self._keys: frozenset[bytes] = frozenset(self._scan())  # KeyFileError: start-up refuses
+        self._keys: frozenset[bytes] = frozenset(authorized_keys(self.directory))  # KeyFileError: start-up refuses
         self._revoked_logged: set[str] = set()
         self._quiet = {"unknown_key": _Throttle(self.LOG_EVERY_S), "revoked": _Throttle(self.LOG_EVERY_S)}
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("ingestd.control.zap"))
@@ -217,7 +217,7 @@ class Authenticator:
         """Re-read the authorised keys (every reload); returns how many. ``KeyFileError`` if the
         directory cannot be read: the old set stays (an unreadable directory is not "no keys",
         which would lock every operator out)."""
-        self._keys = frozenset(self._scan())  # one assignment: the ZAP thread sees the old or the new set
+        self._keys = frozenset(authorized_keys(self.directory))  # one assignment: the ZAP thread sees the old or the new set
         self._revoked_logged.clear()
         return self._announce()
 
@@ -233,9 +233,6 @@ class Authenticator:
         else:
             log.info("CURVE: %d authorised client key(s) in %s", n, self.directory)
         return n
-
-    def _scan(self) -> set[bytes]:
-        return authorized_keys(self.directory)
 
     def stop(self) -> None:
         self._auth.stop()

@@ -139,7 +139,7 @@ class ControlServer:
         self.ctx = Context(daemon, paths.events, publish=self.publish, status_cache=ReplyCache(self.status_max_age_s),
                            events_local=local_events)
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
-        daemon.subscribe(self._on_daemon_event)
+        daemon.subscribe(self.publish)  # daemon events go out as they are
         daemon.reload_hooks.append(self._reload_keys)
         daemon.reload_runner = self._reload_on_signal
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
@@ -228,10 +228,6 @@ class ControlServer:
         except curve.KeyFileError as exc:
             log.error("CURVE: %s; keeping the %d key(s) read before", exc, self._auth.count)
             return {"authorized_keys": self._auth.count, "authorized_keys_error": str(exc)}
-
-    def _on_daemon_event(self, kind: str, **fields: Any) -> None:
-        """Daemon events (main thread): published."""
-        self.publish(kind, **fields)
 
     def stop(self) -> None:
         if self._thread is None:

@@ -74,13 +74,10 @@ def check_buildable(config, paths):
     """What ``ingestd run`` checks before it creates anything, also run by ``ingestd config
     check``: the factories import and take their kwargs, the device exists, and the env and policy
     build and work together (one real transition). Returns ``(example rows, policy)``."""
-    if any(a.startswith("tcp://") for a in (paths.control, paths.events)):  # before the slow env build
-        from ingestd.control.curve import check_files
+    if paths.curve_secret_key is not None and any(a.startswith("tcp://") for a in (paths.control, paths.events)):
+        from ingestd.control.curve import check_files  # (the config's rules require both keys for tcp://)
 
-        if paths.curve_secret_key is None or paths.curve_authorized_keys is None:
-            raise ConfigError("control.address", "a tcp:// bind requires control.curve_secret_key and "
-                                                 "control.curve_authorized_keys")
-        check_files(paths.curve_secret_key, paths.curve_authorized_keys)
+        check_files(paths.curve_secret_key, paths.curve_authorized_keys)  # before the slow env build
     check_factories(config.workers)
     check_device(config.workers.device)
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
