@@ -5,13 +5,12 @@ The public API for trainers and operators. Names are imported lazily so that
 """
 from __future__ import annotations
 
-import importlib
-
 from ingestd.errors import (
     BadReply, BadWeights, ClosedError, CommandFailed, ConfigError, CorruptStorage, DaemonUnavailable,
     EmptyReplay, EnvFault, IngestdError, SampleTimeout, SchemaMismatch, StorageNotFound, StorageReplaced,
     WeightsRejected,
 )
+from ingestd.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -28,16 +27,5 @@ __all__ = [
     "SampleTimeout", "ClosedError", "ConfigError", "BadWeights", "EnvFault", "DaemonUnavailable", "CommandFailed",
     "WeightsRejected", "BadReply",
 ]
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ingestd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)

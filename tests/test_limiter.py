@@ -165,12 +165,12 @@ def test_forked_copies_of_one_handle_exclude_each_other(shm_dir):
             if pid == 0:  # numpy and fcntl only: no torch op in a forked child
                 try:
                     for _ in range(per_child):
-                        lim.count_samples(1)
+                        lim.take_samples(1, rows=100)
                 finally:
                     os._exit(0)
             pids.append(pid)
         for _ in range(per_child):
-            lim.count_samples(1)
+            lim.take_samples(1, rows=100)
         for pid in pids:
             assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         assert lim.samples == (children + 1) * per_child

@@ -27,7 +27,7 @@ import ingestd.control.commands  # noqa: F401 - imported by MetricsExporter.star
 from ingestd.errors import ConfigError
 from ingestd.metrics.exporter import MetricsExporter
 from ingestd.service.config import load_config
-from ingestd.service.daemon import lock_runtime_dir
+from ingestd.service.instance import lock_runtime_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SETPRIV = shutil.which("setpriv")

@@ -1,5 +1,7 @@
 """Shared replay storage: the ring every worker writes into and every trainer samples from."""
-from ingestd.replay.reader import ReplayReader
-from ingestd.replay.storage import ReplayStorage, schema_of
+from ingestd.lazy import lazy_attributes
 
-__all__ = ["ReplayReader", "ReplayStorage", "schema_of"]
+_SOURCES = {"ReplayReader": "ingestd.replay.reader", "ReplayStorage": "ingestd.replay.storage",
+            "schema_of": "ingestd.replay.storage"}
+__all__ = list(_SOURCES)
+__getattr__ = lazy_attributes(__name__, _SOURCES)

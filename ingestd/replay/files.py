@@ -32,13 +32,15 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import torch
 
 from ingestd.errors import CorruptStorage, LockBusy, StorageFull, StorageNotFound
 from ingestd.replay.layout import Key, Leaf, dtype_name, leaf_name, numpy_dtype, schema_from_json, schema_to_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ingestd.replay")
 
@@ -84,6 +86,8 @@ def _round_up(n: int, to: int) -> int:
 def plan_layout(schema: dict[Key, Leaf], capacity: int) -> Layout:
     """Fields ordered by falling item size (so no padding), equal groups side by side; the
     record padded to a power of two up to 64 bytes, else to whole cache lines."""
+    import torch
+
     def itemsize(key: Key) -> int:
         return torch.empty((), dtype=schema[key].dtype).element_size()
 
@@ -259,6 +263,7 @@ def record_array(buffer, layout: Layout, capacity: int) -> np.ndarray:
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor sharing ``array``'s pages (read-only mappings included; we never write through them)."""
+    import torch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)

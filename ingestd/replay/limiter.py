@@ -38,7 +38,7 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +46,7 @@ import numpy as np
 
 from ingestd.errors import SampleTimeout, StorageNotFound
 from ingestd.replay import files
+from ingestd.replay.limiter_params import LimiterParams, check_window, params_of  # noqa: F401 (re-exported)
 
 FILE = "limiter.bin"
 WORDS = 32
@@ -60,35 +61,6 @@ _WORKER_POLL_S = 0.002
 
 class RateLimited(SampleTimeout):
     """A non-blocking sample was refused by the rate limiter (the trainer is too far ahead)."""
-
-
-@dataclass(frozen=True)
-class LimiterParams:
-    enabled: bool = False
-    min_size: int = 0
-    samples_per_insert: float = 1.0
-    min_diff: float = -1e6
-    max_diff: float = 1e6
-
-
-def params_of(config) -> LimiterParams:
-    """The parameters of a ``[limiter]`` config section (or anything with those attributes)."""
-    return LimiterParams(bool(config.enabled), int(config.min_size), float(config.samples_per_insert),
-                         float(config.min_diff), float(config.max_diff))
-
-
-def check_window(p: LimiterParams) -> None:
-    """Raise ``ValueError`` for parameters that cannot work (names the bad one)."""
-    if p.min_size < 0:
-        raise ValueError(f"min_size must be >= 0, got {p.min_size}")
-    if not (np.isfinite(p.samples_per_insert) and p.samples_per_insert > 0):
-        raise ValueError(f"samples_per_insert must be a finite number > 0, got {p.samples_per_insert}")
-    if not (np.isfinite(p.min_diff) and np.isfinite(p.max_diff)):
-        raise ValueError("min_diff and max_diff must be finite")
-    need = 2 * max(1.0, p.samples_per_insert)
-    if p.max_diff - p.min_diff < need:
-        raise ValueError(f"the window max_diff - min_diff = {p.max_diff - p.min_diff:g} is narrower than "
-                         f"2 * max(1, samples_per_insert) = {need:g}; widen it")
 
 
 def ensure_file(path: str | os.PathLike) -> None:
@@ -232,14 +204,6 @@ class Limiter:
         if n:
             with self._locked():
                 self._i[W_SAMPLES] -= n
-
-    def count_samples(self, n: int) -> None:
-        """Add ``n`` sampled rows (only while enabled: a disabled limiter is re-anchored when
-        enabled, and its flock would cost every sample ~8 us)."""
-        if not self._i[W_ENABLED]:
-            return
-        with self._locked():
-            self._i[W_SAMPLES] += n
 
     def add_reader_blocked(self, seconds: float) -> None:
         with self._locked():

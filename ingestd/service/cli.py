@@ -138,11 +138,17 @@ def _main(argv: list[str] | None) -> int:
         print(f"ingestd: config error: {exc}", file=sys.stderr)
         return EX_CONFIG
     _setup_logging(config.service.log_level)
-    from ingestd.service.daemon import Daemon
-    from ingestd.service.services import default_services
-
     try:
+        # the paths and the instance locks before torch's import: an unusable directory or a
+        # second daemon is refused in a fraction of a second, not after seconds of start-up
+        from ingestd.service.instance import claim_instance
+
+        claim = claim_instance(cfg.resolve_paths(config, os.environ))
+        from ingestd.service.daemon import Daemon
+        from ingestd.service.services import default_services
+
         daemon = Daemon(config, args.config, tuple(args.overrides), dict(os.environ))  # resolves the paths
+        daemon.claim = claim
         daemon.services.extend(default_services(config))
         return daemon.run()
     except (ConfigError, SchemaMismatch, StorageFull) as exc:

@@ -82,7 +82,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
 
 
 def _check_limiter(c) -> None:
-    from ingestd.replay.limiter import check_window, params_of
+    from ingestd.replay.limiter_params import check_window, params_of
 
     try:
         check_window(params_of(c))

@@ -9,16 +9,16 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
 from ingestd.collect.inherited import daemon_only
 from ingestd.collect.stats import Desired, PauseReason, State
-from ingestd.errors import ConfigError, DaemonAlreadyRunning
+from ingestd.errors import ConfigError
 from ingestd.service.config import toml_value, with_overrides
-from ingestd.service.layout import Layout, build_layout, check_owned, make_dir, raise_unusable_path
+from ingestd.service.instance import Claim, claim_instance
+from ingestd.service.layout import Layout, build_layout
 from ingestd.service.notify import Notifier, unset_environment
 from ingestd.service.signals import EARLY_SIGHUP
 from ingestd.service.supervisor import RestartPolicy, Supervisor
@@ -71,6 +71,7 @@ class Daemon:
         self.layout: Layout | None = None
         self.supervisor: Supervisor | None = None
         self.services: list = []  # started after the layout; each has start(daemon) and stop()
+        self.claim: Claim | None = None  # the instance locks (ingestd.service.instance)
 
     # -- cross-thread entry points ------------------------------------------------------
     def submit(self, fn: Callable[[], object]) -> Future:
@@ -102,10 +103,8 @@ class Daemon:
         torch.set_num_threads(1)  # the daemon forks workers: keep OpenMP's pool unstarted here
         unset_environment(os.environ)  # the Notifier has read them; workers must not inherit them
         self._install_signals()
-        self._instance_lock = lock_runtime_dir(self.paths.runtime_dir, self.paths.control)
-        make_dir(self.paths.data_dir, "service.data_dir")  # first: a data dir that cannot be made is named as such
-        check_owned(self.paths.data_dir, "service.data_dir")
-        self._replay_lock = lock_replay(self.paths.replay)
+        if self.claim is None:  # (``ingestd run`` claimed them before importing torch)
+            self.claim = claim_instance(self.paths)
         self.layout = build_layout(self.config, self.paths)
         self._pins = [pin_dir(d) for d in (self.paths.runtime_dir, self.paths.data_dir, self.paths.replay)]
         w = self.config.workers
@@ -311,56 +310,6 @@ class Daemon:
                 f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
 
 
-def lock_runtime_dir(runtime_dir, control: str = "") -> int:
-    """Hold an exclusive flock on ``<runtime_dir>/ingestd.lock`` for the daemon's lifetime, so a
-    second daemon on the same runtime dir refuses to start instead of clobbering the first.
-
-    A lock file deleted under a running daemon (``systemd-tmpfiles`` ageing ``/tmp``, an operator
-    tidying up) would let a second one lock a new file and then overwrite the first one's weight
-    store and stats block: a daemon answering on the control socket (``control``, an ipc address)
-    is refused too, before anything is touched."""
-    from ingestd.control.protocol import socket_file
-
-    make_dir(runtime_dir, "service.runtime_dir")
-    check_owned(runtime_dir, "service.runtime_dir")  # before anything in it is opened
-    lock = Path(runtime_dir) / "ingestd.lock"
-    fd = _hold(lock, "service.runtime_dir", f"another ingestd daemon is running with runtime dir {runtime_dir}; "
-                                           "stop it first, or give this one its own service.runtime_dir")
-    path = socket_file(control)
-    if path is not None and _answering(path):
-        os.close(fd)
-        raise DaemonAlreadyRunning(f"a daemon answers on {path}, although nothing held {lock} (the lock file was "
-                                   "deleted while it ran?); stop that daemon first (`ingestctl --connect "
-                                   f"ipc://{path} ping` gives its pid)")
-    return fd
-
-
-def lock_replay(replay) -> int:
-    """Hold an exclusive flock on ``<replay>.lock`` (beside the replay directory) for the daemon's
-    lifetime: two daemons writing one replay (other runtime dirs, the same ``replay.path``) would
-    recover slots the other is writing, number weights over each other and stamp the same worker
-    indices. Taken before the replay is opened."""
-    make_dir(Path(replay).parent, "replay.path")
-    return _hold(Path(f"{replay}.lock"), "replay.path",
-                 f"another ingestd daemon writes the replay {replay}; stop it, or give this one its own "
-                 "replay.path (trainers can read a replay any daemon writes)")
-
-
-def _hold(lock: Path, key: str, busy: str) -> int:
-    import fcntl
-
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
-    except OSError as exc:
-        raise_unusable_path(key, exc, f"cannot open {lock}")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DaemonAlreadyRunning(busy) from None
-    return daemon_only(fd)  # a worker's forked children must not keep the lock alive (collect.inherited)
-
-
 def pin_dir(path) -> int | None:
     """Hold a shared flock on the directory ``path`` for the daemon's lifetime: systemd-tmpfiles
     does not age anything below a directory someone holds a BSD lock on (tmpfiles.d(5)). Without
@@ -387,20 +336,6 @@ def pin_dir(path) -> int | None:
         log.warning("%s is locked by another process; systemd-tmpfiles may age the files in it", path)
     os.close(fd)
     return None
-
-
-def _answering(path: str) -> bool:
-    """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
-    left by a killed one refuses them)."""
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
 
 
 def restart_policy(workers) -> RestartPolicy:

@@ -2,14 +2,11 @@
 where they live, and what each worker process is handed."""
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -21,12 +18,10 @@ from ingestd.collect.worker import WorkerSpec, build_env, build_policy
 from ingestd.errors import ConfigError, CorruptStorage, IngestdError
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
+from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
 
 log = logging.getLogger("ingestd.daemon")
 WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
-NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a path this user cannot write
-# a path no restart makes usable: no access, or under a file, too long, a symlink loop
-UNUSABLE_PATH = (*NO_ACCESS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
 
 
 @dataclass
@@ -147,51 +142,6 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
         if isinstance(exc, IngestdError):
             raise
         raise_unusable_path("replay.path", exc, f"cannot use {path} as the replay storage ({exc.filename})")
-
-
-def make_dir(directory, key: str) -> None:
-    """Create ``directory`` and its parents; one that cannot be created is a config error naming
-    ``key`` (no restart fixes a path under a file, a read-only or a forbidden place)."""
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
-    except OSError as exc:
-        raise_unusable_path(key, exc, f"cannot create the directory {directory}")
-
-
-def check_owned(directory, key: str) -> None:
-    """A directory the daemon keeps its sockets, locks and files in must be its own: one another
-    user made (``/tmp/ingestd-<uid>`` squatted before the daemon first ran) could hold links to
-    files the daemon would overwrite, or a fake control socket. Refused, naming ``key``, if it
-    is a link another user made, is owned by another uid than the daemon's or root's, or is
-    writable by everyone."""
-    euid = os.geteuid()
-    try:
-        link = os.lstat(directory)
-        st = os.stat(directory)
-    except OSError as exc:
-        raise_unusable_path(key, exc, f"cannot look at {directory}")
-    why = None
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
-        why = f"is a symbolic link made by uid {link.st_uid}"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
-    elif st.st_uid not in (euid, 0):  # root's own dirs (tmpfiles.d, a mount point) are trusted
-        why = f"is owned by uid {st.st_uid}, not by the daemon's uid {euid} (nor root)"
-    elif st.st_mode & stat.S_IWOTH:
-        why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
-    if why is not None:
-        raise ConfigError(key, f"{directory} {why}: another user could plant files or a fake control socket "
-                               f"there; remove it (or fix its owner and mode), or choose another {key}")
-
-
-def raise_unusable_path(key: str, exc: OSError, doing: str) -> NoReturn:
-    """A config error naming ``key`` for a path no restart makes usable (``doing``: what failed);
-    anything else (EMFILE, ENOMEM, ENOSPC, EINTR...) is re-raised as it is: a restart may succeed."""
-    if exc.errno not in UNUSABLE_PATH:
-        raise exc
-    hint = (f"the daemon (uid {os.getuid()}) needs write access there: fix the owner or mode, or choose "
-            f"another {key}" if exc.errno in NO_ACCESS else f"choose another {key}")
-    raise ConfigError(key, f"{doing}: {exc.strerror or exc}; {hint}") from None
 
 
 def check_factories(workers) -> None:
