@@ -204,3 +204,27 @@ def test_a_metrics_bind_out_of_fds_is_not_blamed_on_the_address():
         assert not isinstance(err.value, ConfigError) and err.value.errno == errno.EMFILE, err.value
     finally:
         exporter.stop()
+
+
+@pytest.mark.parametrize("setting,key", [
+    ('service.runtime_dir="{tmp}/a-file/run"', "service.runtime_dir"),
+    ('service.data_dir="{tmp}/a-file/data"', "service.data_dir"),
+    ('replay.path="{tmp}/a-file/replay"', "replay.path"),
+    ('service.runtime_dir="{tmp}/' + "r" * 110 + '"', "control.address"),
+])
+def test_unusable_paths_are_refused_before_torch_is_imported(setting, key, tmp_path):
+    """An unusable directory or socket path is found before torch's seconds of import: a
+    ``torch`` that cannot be imported stands in for it here, and the start must still fail
+    with exit 78 naming the key (it failed with the stand-in's ImportError)."""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('torch was imported before the path checks')\n")
+    (tmp_path / "a-file").write_text("")
+    args = [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"', "metrics.enabled=false",
+            setting.replace("{tmp}", str(tmp_path))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "run",
+                           *[a for s in args for a in ("--set", s)]],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 78 and key in proc.stderr, proc.stderr
+    assert "torch was imported" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
