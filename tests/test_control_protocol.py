@@ -18,7 +18,7 @@ from ingestd.control.commands import (
 from ingestd.control.protocol import (
     ErrorCode, Limits, RequestError, decode_reply, encode_error, encode_header, encode_result, parse_header, peek_id,
 )
-from ingestd.control.server import bind_private
+from ingestd.control.sockets import bind_private
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -361,7 +361,7 @@ def test_a_socket_file_nobody_answers_on_is_named_in_the_silence(tmp_path, lefto
 def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path):
     import socket
 
-    from ingestd.control.server import AddressInUse
+    from ingestd.control.sockets import AddressInUse
 
     ctx = zmq.Context.instance()
     path = tmp_path / "c.sock"

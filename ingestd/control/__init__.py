@@ -4,6 +4,7 @@
 - :mod:`~ingestd.control.commands`: one typed message per command, typed results;
 - :mod:`~ingestd.control.handlers`: the ``{request type: handler}`` table;
 - :mod:`~ingestd.control.server`: ``ControlServer``, the daemon-side service;
+- :mod:`~ingestd.control.sockets`: ipc socket files bound private, never over a live daemon's;
 - :mod:`~ingestd.control.client`: ``ControlClient`` and ``EventStream``;
 - :mod:`~ingestd.control.curve`: CURVE key files and the ZAP authenticator;
 - :mod:`~ingestd.control.cli`: ``ingestctl``;

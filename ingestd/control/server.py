@@ -18,11 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -36,6 +34,7 @@ from ingestd.control.protocol import (
     PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
     socket_file,
 )
+from ingestd.control.sockets import bind_private
 from ingestd.errors import ConfigError
 
 log = logging.getLogger("ingestd.control")
@@ -53,47 +52,6 @@ STOP_LINGER_MS = 500  # at stop, how long the last replies may take to leave
 SIGNAL_RELOAD_DEADLINE_S = 60.0  # a SIGHUP's reload waits this long for the main loop to take it
 SOCKET_FILE_CHECK_S = 2.0  # how often the ipc socket files are looked at (deleted ones are bound again)
 INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
-
-
-def bind_private(sock: zmq.Socket, address: str) -> None:
-    """Bind; an ipc:// socket file gets mode 0660 or stricter (umask around bind, then chmod).
-
-    libzmq silently replaces an existing ipc socket file, which would steal a running
-    daemon's socket: a live one is refused (``AddressInUse``), a stale one is replaced."""
-    path = socket_file(address)
-    if path is None:
-        if address.startswith("ipc://@") and not sock.curve_server:
-            log.warning("%s is an abstract socket: it has no file mode, so every local user can connect to it "
-                        "and control the daemon; use an ipc:// path (or CURVE) on a shared host", address)
-        sock.bind(address)
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    if _listening(path):
-        raise AddressInUse(f"{address} is in use: another daemon is listening on it")
-    old = os.umask(0o117)
-    try:
-        sock.bind(address)
-    finally:
-        os.umask(old)
-    os.chmod(path, os.stat(path).st_mode & 0o660)
-
-
-class AddressInUse(OSError):
-    """A control or event address is already taken by a live process."""
-
-
-def _listening(path: str) -> bool:
-    if not os.path.exists(path):
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-        return True
-    except OSError:  # ECONNREFUSED: a stale file from a daemon that died
-        return False
-    finally:
-        probe.close()
 
 
 class ControlServer:

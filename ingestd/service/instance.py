@@ -89,6 +89,7 @@ def lock_runtime_dir(runtime_dir, control: str = "") -> int:
     store and stats block: a daemon answering on the control socket (``control``, an ipc address)
     is refused too, before anything is touched."""
     from ingestd.control.protocol import socket_file
+    from ingestd.control.sockets import answering
 
     make_dir(runtime_dir, "service.runtime_dir")
     check_owned(runtime_dir, "service.runtime_dir")  # before anything in it is opened
@@ -96,7 +97,7 @@ def lock_runtime_dir(runtime_dir, control: str = "") -> int:
     fd = _hold(lock, "service.runtime_dir", f"another ingestd daemon is running with runtime dir {runtime_dir}; "
                                            "stop it first, or give this one its own service.runtime_dir")
     path = socket_file(control)
-    if path is not None and _answering(path):
+    if path is not None and answering(path):
         os.close(fd)
         raise DaemonAlreadyRunning(f"a daemon answers on {path}, although nothing held {lock} (the lock file was "
                                    "deleted while it ran?); stop that daemon first (`ingestctl --connect "
@@ -128,17 +129,3 @@ def _hold(lock: Path, key: str, busy: str) -> int:
         os.close(fd)
         raise DaemonAlreadyRunning(busy) from None
     return daemon_only(fd)  # a worker's forked children must not keep the lock alive (collect.inherited)
-
-
-def _answering(path: str) -> bool:
-    """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
-    left by a killed one refuses them)."""
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True

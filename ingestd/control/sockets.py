@@ -1,0 +1,52 @@
+"""The daemon's ipc socket files: bound private (mode 0660 or stricter) and never over a
+live daemon's. Free of zmq and torch imports: ``ingestd run`` looks for a live daemon with
+:func:`answering` before its start-up."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+from ingestd.control.protocol import socket_file
+
+log = logging.getLogger("ingestd.control")
+
+
+def bind_private(sock, address: str) -> None:
+    """Bind; an ipc:// socket file gets mode 0660 or stricter (umask around bind, then chmod).
+
+    libzmq silently replaces an existing ipc socket file, which would steal a running
+    daemon's socket: a live one is refused (``AddressInUse``), a stale one is replaced."""
+    path = socket_file(address)
+    if path is None:
+        if address.startswith("ipc://@") and not sock.curve_server:
+            log.warning("%s is an abstract socket: it has no file mode, so every local user can connect to it "
+                        "and control the daemon; use an ipc:// path (or CURVE) on a shared host", address)
+        sock.bind(address)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if answering(path):
+        raise AddressInUse(f"{address} is in use: another daemon is listening on it")
+    old = os.umask(0o117)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    os.chmod(path, os.stat(path).st_mode & 0o660)
+
+
+class AddressInUse(OSError):
+    """A control or event address is already taken by a live process."""
+
+
+def answering(path) -> bool:
+    """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
+    left by a killed one refuses them, and a missing one is no listener)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:  # ECONNREFUSED: a stale file from a daemon that died; ENOENT: none
+            return False
+    return True
