@@ -334,3 +334,23 @@ def test_restart_of_a_retiring_worker_names_only_the_workers_there_are(sleepers)
     supervisor.scale(1)  # worker 1 retires, its process not gone yet
     with pytest.raises(KeyError, match=r"no such worker\(s\) \[1\]; workers are \[0\]"):
         supervisor.restart([1])
+
+
+def test_a_failed_worker_shows_no_pid_and_its_restart_is_an_event_and_counted(sleepers):
+    """SAC review: a failed worker kept its dead pid in status (the OS may give it to another
+    process, which an operator might then kill), and ``restart`` of it emitted only
+    ``worker.started``: no ``worker.restarted reason=requested`` (docs/protocol.md), and
+    ``restarts`` stayed as it was."""
+    supervisor, stats, procs, now = sleepers
+    supervisor.policy = RestartPolicy(heartbeat_timeout_s=TIMEOUT_S, budget=1)
+    events = []
+    supervisor._on_event = lambda kind, **fields: events.append((kind, fields))
+    supervisor._start = lambda index, slot: None
+    procs[0].stop()
+    supervisor.tick()
+    assert (State(int(stats[0]["state"])), int(stats[0]["pid"])) == (State.FAILED, 0)
+    restarts = int(stats[0]["restarts"])
+    supervisor.restart([0])
+    assert ("worker.restarted", {"worker": 0, "reason": "requested", "after_s": 0.0}) in events
+    assert int(stats[0]["restarts"]) == restarts + 1
+    assert State(int(stats[0]["state"])) == State.STARTING

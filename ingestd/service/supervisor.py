@@ -107,7 +107,11 @@ class Supervisor:
             slot = self.slots[index]
             slot.failures = 0
             if self.stats.state(index) == State.FAILED or not self._alive(slot):
+                if self.stats.state(index) == State.FAILED:  # a start after giving up: counted like any
+                    self.stats[index]["restarts"] += 1
+                    self.stats[index]["state"] = State.STARTING
                 slot.start_at = self._clock()
+                self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             else:
                 slot.restarting = True
                 self.stats[index]["desired"] = Desired.STOP
@@ -171,7 +175,7 @@ class Supervisor:
         self.stats.set_error(index, error)
         log.error("worker %d: %s; %d consecutive failure(s)", index, error, slot.failures)
         if slot.failures >= self.policy.budget:
-            self.stats[index]["state"] = State.FAILED
+            self.stats[index]["state"], self.stats[index]["pid"] = State.FAILED, 0
             self._on_event("worker.failed", worker=index, error=error)
             return
         slot.start_at = self._clock() + self.policy.backoff(slot.failures)
@@ -199,7 +203,7 @@ class Supervisor:
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
-            rec["state"] = State.FAILED
+            rec["state"], rec["pid"] = State.FAILED, 0  # the dead pid may be another process's by now
             log.error("worker %d failed %d times in a row without writing; marked failed: %s",
                       index, slot.failures, error)
             self._on_event("worker.failed", worker=index, error=error)
