@@ -106,7 +106,13 @@ class DaemonAlreadyRunning(IngestdError, RuntimeError):
 
 # -- collection ---------------------------------------------------------------
 class EnvFault(IngestdError, RuntimeError):
-    """An env produced data that must not be stored (wrong shape, non-finite reward...)."""
+    """An env or policy produced data that must not be stored (wrong shape, non-finite reward,
+    an action outside the env's bounds...). ``key``: the config key of the part at fault
+    (``workers.env`` or ``workers.policy``)."""
+
+    def __init__(self, message: str, key: str = "workers.env"):
+        super().__init__(message)
+        self.key = key
 
 
 class LockBusy(IngestdError, TimeoutError):

@@ -61,6 +61,19 @@ class NaNReward(_Wrapped):
         transition.set(("next", "reward"), torch.full_like(reward, float("nan")))
 
 
+class NaNObservation(_Wrapped):
+    """Sub-env 1's next observation turns NaN (one element of it)."""
+
+    def fault(self, transition):
+        obs = transition.get(("next", "observation")).clone()
+        obs[1, 0] = float("nan")
+        transition.set(("next", "observation"), obs)
+
+
+def nan_observation(ctx, **kw):
+    return NaNObservation(ctx, **{"inner": "CartPole", **kw})
+
+
 def raising(ctx, **kw):
     return Raising(ctx, **kw)
 
@@ -133,10 +146,12 @@ def forking(ctx, pid_file: str = "", seconds: float = 120.0):
     return make_env("Checksum", ctx, {})
 
 
-def odd_policy(spec, mode: str = "fits"):
-    """Zero actions for a continuous-action env: ``fits`` its spec; ``wide`` has twice the
-    elements, ``int64`` the wrong kind, ``key`` none (another key), ``raise`` fails on the first
-    observation (all refused); ``flat`` (``[B]`` for ``[B, 1]``) and ``float64`` are accepted."""
+def odd_policy(spec, mode: str = "fits", value: float = 0.0, after: int = 0):
+    """Actions of ``value`` (zero) for a continuous-action env: ``fits`` its spec; ``wide`` has
+    twice the elements, ``int64`` the wrong kind, ``key`` none (another key), ``raise`` fails on
+    the first observation (all refused); ``flat`` (``[B]`` for ``[B, 1]``) and ``float64`` are
+    accepted. ``after``: the first ``after`` calls act with zeros (a policy that goes bad later)."""
+    calls = [0]
 
     def act(td):
         n = td.batch_size[0]
@@ -144,6 +159,8 @@ def odd_policy(spec, mode: str = "fits"):
             raise RuntimeError("simulated policy failure")
         shape = {"flat": (n,), "wide": (n, 2 * math.prod(spec.action_shape))}.get(mode, (n, *spec.action_shape))
         dtype = {"float64": torch.float64, "int64": torch.int64}.get(mode, spec.action_dtype)
-        td.set("act" if mode == "key" else "action", torch.zeros(shape, dtype=dtype))
+        calls[0] += 1
+        fill = value if calls[0] > after else 0.0
+        td.set("act" if mode == "key" else "action", torch.full(shape, fill, dtype=dtype))
         return td
     return act

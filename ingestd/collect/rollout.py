@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from ingestd.collect.checks import RowChecks, check_action, check_rows
 from ingestd.collect.interfaces import Env, Policy
 from ingestd.errors import EnvFault
 
@@ -73,11 +74,13 @@ class Rollout:
     """Steps one batched env with one policy and stamps every transition."""
 
     def __init__(self, env: Env, policy: Policy, worker: int, episode_base: int, chunk_steps: int,
-                 beat: Callable[[], None] = lambda: None):
+                 beat: Callable[[], None] = lambda: None, checks: RowChecks | None = None):
         """``beat`` is called after every step (the worker's heartbeat: a chunk may take longer
-        than the heartbeat timeout, a step may not)."""
+        than the heartbeat timeout, a step may not). ``checks``: what every chunk must satisfy
+        to be stored (``ingestd.collect.checks``; the defaults from the env's spec if None)."""
         n, t = env.num_envs, chunk_steps
         self.env, self.policy, self.chunk_steps, self._beat = env, policy, chunk_steps, beat
+        self.checks = checks if checks is not None else RowChecks.of(env.spec) if hasattr(env, "spec") else RowChecks()
         self._n = n
         # carried from chunk to chunk: the state of the step about to be taken
         # sub-env i's episodes are episode_base + i, then + num_envs per finished episode: unique ids
@@ -135,7 +138,12 @@ class Rollout:
         policy, env, root, beat = self.policy, self.env, self._root, self._beat
         for t in range(steps):
             self._stamp(root, t)
-            transition, root = env.step_and_maybe_reset(policy(root))
+            acted = policy(root)
+            try:
+                transition, root = env.step_and_maybe_reset(acted)
+            except Exception:  # (free unless raised) an action the env could not take explains it
+                check_action(acted, self.checks)
+                raise
             beat()
             leaves = _leaves_of(transition)
             if t == 0:
@@ -165,7 +173,7 @@ class Rollout:
             if dest is not None:
                 rows.set(key, dest)
         finished = self._account()
-        check_rows(rows)
+        check_rows(rows, self.checks)
         return rows, finished
 
     # -- stamping ---------------------------------------------------------------------------
@@ -332,21 +340,3 @@ def _done_of(leaves: dict, n: int) -> torch.Tensor:
     if done.dtype != torch.bool or done.shape != (n, 1):  # anything but the TorchRL layout
         done = done.reshape(n, -1).any(-1, keepdim=True).to(torch.bool)  # any() of uint8 is uint8
     return done if done.is_cpu else done.cpu()
-
-
-def check_rows(rows: TensorDict) -> None:
-    """Refuse data that must never be stored: a non-finite reward (see docs: env faults)."""
-    reward = rows.get(("next", "reward"), None)
-    if reward is None:
-        raise EnvFault("the env's transitions have no ('next', 'reward') entry")
-    if not reward.is_floating_point() or _all_finite(reward):
-        return
-    bad = (~torch.isfinite(reward)).reshape(reward.shape[0], -1).any(-1).nonzero().squeeze(-1)
-    raise EnvFault(f"the env returned a non-finite reward in {bad.numel()} rows "
-                   f"(first at row {int(bad[0])}); the chunk was not stored")
-
-
-def _all_finite(values: torch.Tensor) -> bool:
-    if values.is_cpu and values.dtype in (torch.float32, torch.float64):  # numpy: a fifth of torch's cost
-        return bool(np.isfinite(values.detach().numpy()).all())
-    return bool(torch.isfinite(values).all())

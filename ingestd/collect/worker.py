@@ -61,6 +61,8 @@ class WorkerSpec:
     gamma: float = 0.99
     compile_policy: bool = False
     enable_profile: bool = True
+    action_bounds: str = "refuse"  # ingestd.collect.checks
+    check_finite: bool = True
 
 
 def derive_seed(base: int, worker: int, incarnation: int) -> int:
@@ -144,7 +146,7 @@ class Worker:
         self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
         with keepalive(self._beat):  # the env's first reset (a simulator loading a scene) may be slow too
             rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
-                              spec.chunk_steps, beat=self._beat)
+                              spec.chunk_steps, beat=self._beat, checks=self.extras.checks)
         try:
             self._loop(rollout, storage, weights, policy)
         finally:

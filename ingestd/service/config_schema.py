@@ -370,6 +370,15 @@ class WorkersConfig:
     restart_budget: int = setting(
         5, "Consecutive failed starts (deaths without writing a chunk since starting) before a worker is "
            "marked failed.", Int(1, 1_000_000), live=True)
+    action_bounds: str = setting(
+        "refuse", "Actions outside the env's bounds (a Box's low/high, a discrete env's action count): refuse "
+                  "(the chunk is not stored and the worker fails naming the first bad row), clip (clamped "
+                  "before the env steps, and stored clamped) or off (stored as they come). Non-finite actions "
+                  "are always refused.", Choice(("refuse", "clip", "off")))
+    check_finite: bool = setting(
+        True, "Refuse a chunk holding NaN or infinity in an observation or any other small float leaf (not "
+              "images); false stores them (envs that use inf on purpose). Rewards and actions are always "
+              "checked.", Bool())
     # -- collector features (docs/collector-features.md; TorchRL names in docs/from-torchrl.md) --
     init_random_frames: int = setting(
         0, "Warm-up: until the replay's write_count reaches this, workers act with a uniform random policy "

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ingestd.collect.checks import ClippedActions, RowChecks, check_action
 from ingestd.collect.features import check_device
 from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec, build_env, build_policy
-from ingestd.errors import ConfigError, CorruptStorage, IngestdError
+from ingestd.errors import ConfigError, CorruptStorage, EnvFault, IngestdError
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
 from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
@@ -46,7 +47,7 @@ class Layout:
             device=w.device, env_kwargs=dict(w.env_kwargs), policy_kwargs=dict(w.policy_kwargs),
             init_random_frames=w.init_random_frames, max_episode_steps=w.max_episode_steps,
             total_frames=w.total_frames, n_step=w.n_step, gamma=w.gamma, compile_policy=w.compile_policy,
-            enable_profile=w.enable_profile)
+            enable_profile=w.enable_profile, action_bounds=w.action_bounds, check_finite=w.check_finite)
 
     def close(self) -> None:
         if self.limiter is not None:
@@ -246,9 +247,12 @@ def _example_rows(spec: WorkerSpec, seed: int):
             StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
         if spec.init_random_frames > 0:
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
+        checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
+        acting = ClippedActions(policy, env.spec) if spec.action_bounds == "clip" and checks.low is not None else policy
         rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
-                           lambda: Rollout(env, policy, worker=0, episode_base=0, chunk_steps=1), Exception)
-        _check_action(spec, env, policy, rollout)
+                           lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks),
+                           Exception)
+        _check_action(spec, env, acting, rollout)
         rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
                            lambda: rollout.chunk(0), Exception)
     finally:
@@ -274,6 +278,8 @@ def _guarded(key: str, what: str, call, errors):
         raise
     except _TRANSIENT:
         raise
+    except EnvFault as exc:  # data a check refused (ingestd.collect.checks): it names the part at fault
+        raise ConfigError(exc.key, f"{what}: {exc}") from None
     except errors as exc:
         refused = errors is _REFUSED_VALUE
         log.log(logging.DEBUG if refused else logging.ERROR, "%s:", what, exc_info=True)
@@ -305,6 +311,8 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
         raise ConfigError("workers.policy", f"policy {spec.policy} acts with {got} actions, but env {spec.env} "
                                             f"takes {want} (the first dimension is num_envs); make the policy fit "
                                             "the env's spec (EnvSpec.action_shape and action_dtype)")
+    _guarded("workers.policy", f"policy {spec.policy}'s first action", lambda: check_action(out, rollout.checks),
+             ())
     if tuple(action.shape) != want_shape or action.dtype != want_dtype:
         log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
                     "them", spec.policy, got, spec.env, want)

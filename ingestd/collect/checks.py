@@ -1,0 +1,185 @@
+"""What a chunk must satisfy before it is stored (docs/reliability.md, "Env and policy faults").
+
+- The action is finite, and within the env's bounds (a continuous spec's
+  ``action_low``/``action_high``, a discrete one's ``[0, num_actions)``),
+  unless ``workers.action_bounds`` says otherwise: ``clip`` clamps the
+  policy's actions before the env steps (:class:`ClippedActions`, stored
+  clamped, as the env executed them), ``off`` stores them as they come.
+- The reward is finite.
+- Every other small float leaf (observations, extra keys) is finite, unless
+  ``workers.check_finite = false`` (envs that use inf on purpose). Large
+  leaves (images) are not scanned: that would be a pass over all their bytes.
+
+A chunk that fails is not stored: the worker raises ``EnvFault``, naming the
+config key at fault (``key``) and the first bad row's sub-env, episode and
+step. Each check is one vectorised pass per chunk, not per step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from ingestd.collect.interfaces import EnvSpec
+from ingestd.errors import EnvFault
+
+ACTION_BOUNDS = ("refuse", "clip", "off")
+SMALL_ROW_BYTES = 64 << 10  # leaves this large per row (images) are not scanned for NaN
+_REWARD = ("next", "reward")
+# float actions may pass a bound by rounding (loc + scale * tanh(x)): this much is not "outside"
+_SLACK = 1e-5
+
+
+@dataclass(frozen=True)
+class RowChecks:
+    low: np.ndarray | None = None  # the env's bounds per action element (flattened); None: unbounded
+    high: np.ndarray | None = None
+    bounds: str = "refuse"  # workers.action_bounds
+    finite: bool = True  # workers.check_finite
+    slack: float = 0.0  # how far past a bound a float action may lie (rounding)
+    elements: int | None = None  # action elements per sub-env the env takes (None: not known)
+
+    @classmethod
+    def of(cls, spec: EnvSpec, bounds: str = "refuse", finite: bool = True) -> RowChecks:
+        low, high = action_bounds(spec)
+        return cls(low, high, bounds, finite, _SLACK if spec.action_dtype.is_floating_point else 0.0,
+                   math.prod(spec.action_shape))
+
+
+def action_bounds(spec: EnvSpec) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The env's action bounds per element (float64, flattened), or ``(None, None)``."""
+    if spec.num_actions is not None:
+        return np.zeros(1), np.full(1, float(spec.num_actions - 1))
+    if spec.action_low is None or spec.action_high is None:
+        return None, None
+    low, high = np.asarray(spec.action_low, np.float64), np.asarray(spec.action_high, np.float64)
+    if np.isinf(low).all() and np.isinf(high).all():
+        return None, None
+    return low, high
+
+
+class ClippedActions:
+    """``workers.action_bounds = "clip"``: the policy's actions clamped into the env's bounds
+    before the env steps (and stored so: the action the env executed)."""
+
+    def __init__(self, policy, spec: EnvSpec):
+        self.policy = policy
+        low, high = action_bounds(spec)
+        self._low = torch.as_tensor(low, dtype=spec.action_dtype)
+        self._high = torch.as_tensor(high, dtype=spec.action_dtype)
+        self._shaped: tuple | None = None  # (per-env shape, low, high) as the policy's actions come
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        td = self.policy(td)
+        action = td.get("action")
+        shape = action.shape[1:]
+        if self._shaped is None or self._shaped[0] != shape:
+            low, high = (b.to(action.dtype).reshape(shape) if b.numel() == shape.numel() else b.to(action.dtype)
+                         for b in (self._low, self._high))
+            self._shaped = (shape, low.to(action.device), high.to(action.device))
+        td.set("action", torch.clamp(action, self._shaped[1], self._shaped[2]))
+        return td
+
+
+def check_rows(rows: TensorDictBase, checks: RowChecks | None = None) -> None:
+    """Refuse a chunk that must never be stored (``EnvFault``; see the module's docstring)."""
+    checks = checks or _DEFAULT
+    action = rows.get("action", None)
+    if isinstance(action, torch.Tensor):
+        _check_action(rows, action, checks)
+    reward = rows.get(_REWARD, None)
+    if reward is None:
+        raise EnvFault("the env's transitions have no ('next', 'reward') entry", key="workers.env")
+    _check_finite(rows, reward, "the env returned a non-finite reward", "fix the env")
+    if not checks.finite:
+        return
+    for key, leaf in rows.items(include_nested=True, leaves_only=True):
+        if (key == "action" or key == _REWARD or not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point()
+                or leaf[:1].numel() * leaf.element_size() >= SMALL_ROW_BYTES):
+            continue
+        _check_finite(rows, leaf, f"the env returned a non-finite {key!r}",
+                      "fix the env, or set workers.check_finite = false to store such values")
+
+
+def check_action(td: TensorDictBase, checks: RowChecks) -> None:
+    """Refuse a policy's output whose ``action`` has another number of elements per sub-env
+    than the env takes, or is non-finite, or (``refuse``) out of bounds: ``EnvFault`` naming
+    ``workers.policy``. (The rollout calls it when the env's step raised: the env's own
+    message, an index error deep in its dynamics, hid that the action was at fault.)"""
+    action = td.get("action", None)
+    if isinstance(action, torch.Tensor) and action.dim() > 0:
+        _check_action(td, action, checks)
+
+
+def _check_action(rows: TensorDictBase, action: torch.Tensor, checks: RowChecks) -> None:
+    per_env = math.prod(action.shape[1:])
+    if checks.elements is not None and per_env != checks.elements:
+        raise EnvFault(f"the policy acted with {per_env} action elements per sub-env ({str(action.dtype)[6:]}"
+                       f"{list(action.shape)}), but the env takes {checks.elements}; make the policy fit the "
+                       "env's spec (EnvSpec.action_shape)", key="workers.policy")
+    if action.is_floating_point():
+        _check_finite(rows, action, "the policy returned a non-finite action",
+                      "fix the policy (or the weights pushed to it)", at_fault="workers.policy")
+    if checks.bounds != "refuse" or checks.low is None:
+        return
+    values = _numpy(action).reshape(action.shape[0], -1)
+    low, high = checks.low, checks.high
+    if checks.slack:
+        low, high = low - checks.slack * (1 + np.abs(low)), high + checks.slack * (1 + np.abs(high))
+    outside = (values < low) | (values > high)
+    if not outside.any():
+        return
+    bad = np.flatnonzero(outside.any(1))
+    row, col = int(bad[0]), int(np.flatnonzero(outside[bad[0]])[0])
+    i = col if checks.low.size > 1 else 0
+    raise EnvFault(f"the policy acted outside the env's action bounds in {bad.size} rows (first: {_where(rows, row)}, "
+                   f"action element {col} = {values[row, col]:g}, bounds [{_bound(checks.low[i], action)}, "
+                   f"{_bound(checks.high[i], action)}]); the chunk was not stored. Make the policy squash or clip "
+                   "its actions, or set workers.action_bounds = \"clip\" (clamped before the env steps, and "
+                   "stored clamped) or \"off\" (stored as they come)", key="workers.policy")
+
+
+def _check_finite(rows: TensorDictBase, values: torch.Tensor, what: str, todo: str,
+                  at_fault: str = "workers.env") -> None:
+    if not values.is_floating_point():
+        return
+    array = _numpy(values)
+    if array is not None and np.isfinite(array).all():
+        return
+    if array is None:
+        finite = torch.isfinite(values).reshape(values.shape[0], -1).all(-1).cpu().numpy()
+        if finite.all():
+            return
+    else:
+        finite = np.isfinite(array.reshape(array.shape[0], -1)).all(-1)
+    bad = np.flatnonzero(~finite)
+    first = values[int(bad[0])].reshape(-1)
+    value = first[~torch.isfinite(first)][0].item()
+    raise EnvFault(f"{what} in {bad.size} rows (first: {_where(rows, int(bad[0]))}, value {value}); the chunk was "
+                   f"not stored: {todo}", key=at_fault)
+
+
+def _numpy(values: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor numpy can read (a fifth of torch's cost for these checks)."""
+    if values.is_cpu and values.dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8):
+        return values.detach().numpy()
+    return None if values.is_floating_point() else values.detach().cpu().to(torch.int64).numpy()
+
+
+def _where(rows: TensorDictBase, row: int) -> str:
+    """Which transition row ``row`` of a chunk is, by its stamps."""
+    try:
+        env, episode, step = (int(rows.get(("ingestd", f))[row]) for f in ("env", "episode", "step"))
+    except (KeyError, IndexError, TypeError):
+        return f"row {row} of the chunk"
+    return f"sub-env {env}, episode {episode}, step {step}"
+
+
+def _bound(value: float, action: torch.Tensor) -> str:
+    return f"{value:g}" if action.is_floating_point() else str(int(value))
+
+
+_DEFAULT = RowChecks()
