@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.collect.checks import RowChecks, check_action, check_rows
+from ingestd.collect.checks import RowChecks, check_action, check_rows, scanned
 from ingestd.collect.interfaces import Env, Policy
 from ingestd.errors import EnvFault
 
@@ -108,6 +108,7 @@ class Rollout:
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
         self._eager: list[tuple] = []  # (key, buffer) of large leaves, copied step by step
         self._lazy: list[tuple] = []  # (key, buffer) of small leaves, stacked once per chunk
+        self._floats: list[tuple] = []  # keys of the float leaves scanned for NaN (checks.scanned)
         self._width = 0  # leaves per transition (stamps included)
         self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
         self._root = env.reset()
@@ -173,7 +174,7 @@ class Rollout:
             if dest is not None:
                 rows.set(key, dest)
         finished = self._account()
-        check_rows(rows, self.checks)
+        check_rows(rows, self.checks, [(k, rows.get(k)) for k in self._floats])
         return rows, finished
 
     # -- stamping ---------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class Rollout:
         """One [T, B, ...] buffer per leaf of ``first``, and the [T * B] rows viewing them."""
         steps, n = self.chunk_steps, self._n
         total = steps * n
-        self._leaves, self._eager, self._lazy = {}, [], []
+        self._leaves, self._eager, self._lazy, self._floats = {}, [], [], []
         rows = TensorDict({}, batch_size=[total])
         for key, leaf in first.items():  # the first transition's key order, like a stack of them
             key = key if isinstance(key, tuple) else (key,)
@@ -223,6 +224,8 @@ class Rollout:
             else:
                 self._lazy.append((name, buf))
             rows.set(key, buf.view(total, *leaf.shape[1:]))
+            if scanned(name, buf[0]):  # a float leaf checks.check_rows scans for NaN
+                self._floats.append(key)
         missing = _STAMP_KEYS - {k if isinstance(k, tuple) else (k,) for k in first}
         if missing:
             raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
