@@ -74,6 +74,16 @@ def nan_observation(ctx, **kw):
     return NaNObservation(ctx, **{"inner": "CartPole", **kw})
 
 
+def hanging_build(ctx, **kw):
+    """An env whose constructor never returns (a simulator waiting on a server for ever)."""
+    while True:
+        time.sleep(1.0)
+
+
+def failing_constructor(ctx, **kw):
+    raise RuntimeError("simulated scene file missing")
+
+
 def raising(ctx, **kw):
     return Raising(ctx, **kw)
 
@@ -157,6 +167,8 @@ def odd_policy(spec, mode: str = "fits", value: float = 0.0, after: int = 0):
         n = td.batch_size[0]
         if mode == "raise":
             raise RuntimeError("simulated policy failure")
+        while mode == "hang":
+            time.sleep(1.0)
         shape = {"flat": (n,), "wide": (n, 2 * math.prod(spec.action_shape))}.get(mode, (n, *spec.action_shape))
         dtype = {"float64": torch.float64, "int64": torch.int64}.get(mode, spec.action_dtype)
         calls[0] += 1

@@ -439,8 +439,7 @@ def test_a_second_daemon_on_the_same_replay_is_refused(tmp_path):
 # directory: case -> (settings, text the message must name, text explaining why). Each process
 # imports torch (~6 s of CPU), so the module runs them all at once (``startup_failures``).
 STARTUP_FAILURES = {
-    # wrong only once the daemon resolves paths or the factories
-    "ipc path too long": (['service.runtime_dir="{tmp}/' + "r" * 110 + '"'], "control.address", ""),
+    # wrong only once the daemon resolves the factories
     "env path": (['workers.env="no_such_package.envs:make"'], "workers.env", ""),
     "env kwargs": (["workers.env_kwargs.bogus=1"], "workers.env_kwargs", ""),
     "policy path": (['workers.policy="no_such_package.policies:make"'], "workers.policy", ""),
@@ -460,12 +459,22 @@ STARTUP_FAILURES = {
     "env step": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", g="heavy"}',
                   'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="fits"}'],
                  "workers.env", "failed stepping"),
+    # a constructor that fails for good (was exit 1, which systemd retried) or hangs (hung `run` for ever)
+    "env constructor raises": (['workers.env="faulty_envs:failing_constructor"'], "workers.env",
+                               "RuntimeError: simulated scene file missing"),
+    "env constructor hangs": (['workers.env="faulty_envs:hanging_build"', "workers.start_timeout_s=1"],
+                              "workers.env", "building env faulty_envs:hanging_build did not finish within"),
+    "policy hangs": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
+                      'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="hang"}',
+                      "workers.start_timeout_s=1"], "workers.policy", "first action did not finish within"),
     "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
                        "NoSuchEnv"),
     "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",
                            "observation space"),
     "step limit": (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}",
                     "workers.max_episode_steps=10"], "workers.max_episode_steps", "TorchEnv"),
+    # paths, found before torch's import: grouped, so their batches of failed_starts end at once
+    "ipc path too long": (['service.runtime_dir="{tmp}/' + "r" * 110 + '"'], "control.address", ""),
     # a directory that cannot be created ({tmp}/a-file is a file)
     **{f"{key} under a file": ([f'{key}="{{tmp}}/a-file/dir"'], key, "cannot create")
        for key in ("service.data_dir", "service.runtime_dir", "replay.path")},
@@ -477,7 +486,7 @@ STARTUP_FAILURES = {
 }
 
 
-FAILED_FIRST_STEP = {"policy raise", "env step"}
+FAILED_FIRST_STEP = {"policy raise", "env step", "env constructor raises"}
 
 
 @pytest.fixture(scope="module")

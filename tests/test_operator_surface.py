@@ -228,3 +228,35 @@ def test_unusable_paths_are_refused_before_torch_is_imported(setting, key, tmp_p
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 78 and key in proc.stderr, proc.stderr
     assert "torch was imported" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_during_a_hung_start_up_probe_stops_the_daemon(tmp_path):
+    """SAC review: a SIGTERM while the env's constructor hung was logged and ignored until
+    systemd's SIGKILL (TimeoutStopSec later), then a restart hung again. The probe now gives way:
+    exit 0 at once, and nothing created."""
+    import threading
+    import time
+
+    args = [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"', "metrics.enabled=false",
+            'workers.env="faulty_envs:hanging_build"', "workers.start_timeout_s=0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "ingestd.service.cli", "run", *[a for s in args for a in ("--set", s)]],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # no read blocks the test
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not any("start-up probe" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no probe started: {lines}"
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the env's constructor now
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, lines
+        reader.join(10)
+        assert any("stopping during start-up" in line for line in lines), lines
+        assert not (tmp_path / "data" / "replay").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

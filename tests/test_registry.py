@@ -114,7 +114,7 @@ def test_a_factory_that_takes_no_context_is_blamed_on_its_key_not_its_kwargs():
 
     from ingestd.errors import ConfigError
     from ingestd.service.config import Config
-    from ingestd.service.layout import check_factories
+    from ingestd.service.probe import check_factories
 
     workers = dataclasses.replace(Config().workers, env="test_registry:_create_env_fn")
     with pytest.raises(ConfigError, match="takes no positional argument.*create_env_fn") as err:

@@ -20,7 +20,7 @@ from ingestd.collect.registry import make_env
 from ingestd.collect.rollout import Rollout
 from ingestd.errors import ConfigError, EnvFault
 from ingestd.service.config import load_config, resolve_paths
-from ingestd.service.layout import check_buildable
+from ingestd.service.probe import check_buildable
 
 ENVS, STEPS = 4, 8
 

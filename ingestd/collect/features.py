@@ -199,14 +199,20 @@ class KeepaliveFirstCall:
 
 
 @contextlib.contextmanager
-def keepalive(beat, every_s: float = 0.5):
+def keepalive(beat, every_s: float = 0.5, limit_s: float = 0.0, doing: str = ""):
     """A thread calls ``beat()`` every ``every_s`` seconds while the block runs: for the slow,
     one-off steps of a worker (building its env, compiling its policy) that must not be taken
-    for a hang."""
+    for a hang. After ``limit_s`` (0: never) it stops beating, saying so, and the supervisor's
+    heartbeat check restarts the worker: a hung build is not kept alive for ever."""
     done = threading.Event()
+    start = time.monotonic()
 
     def run() -> None:
         while not done.wait(every_s):
+            if limit_s and time.monotonic() - start > limit_s:
+                log.error("%s has taken longer than workers.start_timeout_s (%g s); no more heartbeats: "
+                          "the supervisor will restart this worker as hung", doing or "a start-up step", limit_s)
+                return
             beat()
 
     thread = threading.Thread(target=run, name="ingestd-keepalive", daemon=True)

@@ -63,6 +63,7 @@ class WorkerSpec:
     enable_profile: bool = True
     action_bounds: str = "refuse"  # ingestd.collect.checks
     check_finite: bool = True
+    start_timeout_s: float = 60.0  # building the env and policy, and the first reset, may take this long
 
 
 def derive_seed(base: int, worker: int, incarnation: int) -> int:
@@ -138,13 +139,15 @@ class Worker:
         torch.manual_seed(seeds.torch)
         np.random.seed(seeds.numpy)
         log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
-        with keepalive(self._beat):  # building an env can take longer than the heartbeat timeout
+        # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
+        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"):
             env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
         self._written_version = self.version  # the weights of the last chunk written (see _loop)
         self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
-        with keepalive(self._beat):  # the env's first reset (a simulator loading a scene) may be slow too
+        # the env's first reset (a simulator loading a scene) may be slow too
+        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"):
             rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
                               spec.chunk_steps, beat=self._beat, checks=self.extras.checks)
         try:

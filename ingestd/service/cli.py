@@ -127,7 +127,7 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
-            from ingestd.service.layout import check_buildable
+            from ingestd.service.probe import check_buildable
 
             checked = cfg.load_config(args.file, args.overrides)
             check_buildable(checked, cfg.resolve_paths(checked, os.environ))  # what `run` checks first

@@ -79,19 +79,21 @@ class Int(Rule):
 
 @dataclass(frozen=True)
 class Float(Rule):
-    """A finite number above ``gt`` (integers are accepted and converted)."""
+    """A finite number above ``gt`` (or equal to it, ``or_equal``; integers are accepted and
+    converted)."""
 
     gt: float
     unit: str = "seconds"
+    or_equal: bool = False
 
     @property
     def accepted(self) -> str:
-        return f"a finite number > {self.gt:g} ({self.unit})"
+        return f"a finite number {'>=' if self.or_equal else '>'} {self.gt:g} ({self.unit})"
 
     def check(self, key: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
-        if not math.isfinite(value) or not value > self.gt:
+        if not math.isfinite(value) or not (value > self.gt or self.or_equal and value == self.gt):
             raise self.fail(key, value)
         return float(value)
 
@@ -363,6 +365,11 @@ class WorkersConfig:
         "beat after every env step, so this bounds one step (the policy's action and the env's step), "
         "not a whole chunk.",
         Float(0.0), live=True)
+    start_timeout_s: float = setting(
+        60.0, "How long building the env and policy and their first reset, action and step may take: in "
+              "the start-up probe (`ingestd run`, `ingestd config check`; past it the start fails naming the "
+              "part still running, exit 78) and in each worker (past it the worker stops beating and is "
+              "restarted as hung). 0 = no limit.", Float(0.0, or_equal=True))
     restart_backoff_s: float = setting(0.1, "First delay before restarting a dead worker; doubles per failure.",
                                        Float(0.0), live=True)
     restart_backoff_max_s: float = setting(2.0, "Upper bound of the restart delay (>= restart_backoff_s).",

@@ -105,7 +105,7 @@ class Daemon:
         self._install_signals()
         if self.claim is None:  # (``ingestd run`` claimed them before importing torch)
             self.claim = claim_instance(self.paths)
-        self.layout = build_layout(self.config, self.paths)
+        self.layout = build_layout(self.config, self.paths, stopping=lambda: self._stop_requested)
         self._pins = [pin_dir(d) for d in (self.paths.runtime_dir, self.paths.data_dir, self.paths.replay)]
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),

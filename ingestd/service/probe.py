@@ -1,0 +1,215 @@
+"""The start-up probe: what ``ingestd run`` (and ``ingestd config check``) checks before it
+creates anything. The env and policy factories import and take their kwargs, the device
+exists, and the env and policy build and work together through one real transition, whose
+rows give the storage its schema. A failure is a config error naming the key at fault (exit
+78), not a worker crash-loop; the probe runs under a deadline (``workers.start_timeout_s``)
+and gives way to a SIGTERM."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from ingestd.collect.checks import ClippedActions, RowChecks, check_action
+from ingestd.collect.features import check_device
+from ingestd.collect.nstep import schema_rows
+from ingestd.collect.rollout import Rollout
+from ingestd.collect.worker import WorkerSpec, build_env, build_policy
+from ingestd.errors import ConfigError, EnvFault
+
+log = logging.getLogger("ingestd.daemon")
+
+
+def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False):
+    """What ``ingestd run`` checks before it creates anything, also run by ``ingestd config
+    check``: the factories import and take their kwargs, the device exists, and the env and policy
+    build and work together (one real transition). Returns ``(example rows, policy)``.
+    ``stopping``: whether a SIGTERM asked the daemon to stop (the probe then gives way)."""
+    if paths.curve_secret_key is not None and any(a.startswith("tcp://") for a in (paths.control, paths.events)):
+        from ingestd.control.curve import check_files  # (the config's rules require both keys for tcp://)
+
+        check_files(paths.curve_secret_key, paths.curve_authorized_keys)  # before the slow env build
+    check_factories(config.workers)
+    check_device(config.workers.device)
+    from ingestd.service.layout import Layout
+
+    probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
+    with _deadline(config.workers.start_timeout_s, stopping):
+        rows, policy = _example_rows(probe, config.service.seed)
+    _check_pushable(policy, config.control.max_message_bytes)
+    return rows, policy
+
+
+def _check_pushable(policy, max_message_bytes: int) -> None:
+    """Warn if the policy's weights are too large for any push to reach it (a policy that is
+    never pushed to may be that large: not an error)."""
+    if not isinstance(policy, torch.nn.Module) or not policy.state_dict():
+        return
+    from ingestd.weights.wire import PUSH_OVERHEAD, encode
+
+    size = sum(len(frame) for frame in encode(policy)) + PUSH_OVERHEAD  # what a push of them sends
+    if size > max_message_bytes:
+        log.warning("a push of the policy's weights is %d bytes (lz4), over control.max_message_bytes (%d): "
+                    "push_weights of these weights would be refused; raise control.max_message_bytes above %d",
+                    size, max_message_bytes, size)
+
+
+def check_factories(workers) -> None:
+    """The env and policy import paths resolve and their kwargs bind, else a config error naming
+    the key: found before anything is created, instead of in every worker that starts."""
+    from ingestd.collect.features import seeded_policy_kwargs
+    from ingestd.collect.registry import NotAFactory, resolve_env, resolve_policy, validate_kwargs
+
+    key = "workers.env"
+    try:
+        env = resolve_env(workers.env)
+        key = "workers.env_kwargs"
+        validate_kwargs(env, workers.env_kwargs)
+        key = "workers.policy"
+        policy = resolve_policy(workers.policy)
+        key = "workers.policy_kwargs"
+        validate_kwargs(policy, seeded_policy_kwargs(policy, workers.policy_kwargs, 0))  # + the worker's seed
+    except NotAFactory as exc:  # the factory named, not its kwargs
+        raise ConfigError(key.removesuffix("_kwargs"), str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
+def _example_rows(spec: WorkerSpec, seed: int):
+    """One real transition from the configured env and policy: the storage schema. An env or
+    policy that cannot be built, that do not work together (an action with another number of
+    elements than the env's spec, a float action for a discrete env or the reverse, spaces the
+    adapter or the policy does not take), or a feature the env does not support, is a config
+    error here (exit 78, before any worker crash-loops on it); an error raised by the env's or
+    the policy's own code in the first reset, action or step too, with its traceback logged."""
+    from ingestd.collect.features import StepLimit, random_policy
+
+    log.info("start-up probe: env %s and policy %s, one transition (within workers.start_timeout_s)",
+             spec.env, spec.policy)
+    torch.manual_seed(seed)
+    env = _guarded("workers.env", f"env {spec.env} with env_kwargs {dict(spec.env_kwargs)} could not be built",
+                   lambda: build_env(spec, seed, episode_base=0, num_envs=1), quiet=_REFUSED_VALUE,
+                   doing=f"building env {spec.env}")
+    try:
+        policy = _guarded("workers.policy", f"policy {spec.policy} with policy_kwargs "
+                          f"{dict(spec.policy_kwargs)} could not be built", lambda: build_policy(spec, env, seed),
+                          quiet=_REFUSED_VALUE, doing=f"building policy {spec.policy}")
+        if spec.max_episode_steps > 0:
+            StepLimit(env, spec.max_episode_steps)  # the env can reset single sub-envs
+        if spec.init_random_frames > 0:
+            random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
+        checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
+        acting = ClippedActions(policy, env.spec) if spec.action_bounds == "clip" and checks.low is not None else policy
+        rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
+                           lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks),
+                           doing=f"env {spec.env}'s first reset")
+        _check_action(spec, env, acting, rollout)
+        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+                           lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
+    finally:
+        env.close()
+    if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
+        rows = schema_rows(rows, spec.n_step, spec.gamma)
+    return rows, policy
+
+
+_REFUSED_VALUE = (ValueError, TypeError)  # what a factory raises for a kwargs value it refuses
+# not the config's fault: a restart may fix them (a simulator server not up yet, a GPU another
+# process fills), so they keep exit status 1 and systemd's retries
+_TRANSIENT = (OSError, MemoryError, TimeoutError, torch.cuda.OutOfMemoryError)
+
+
+def _guarded(key: str, what: str, call, quiet: tuple = (), doing: str = ""):
+    """``call()``; what it raises (but transient errors) is a config error naming ``key``. A
+    factory refusing a value (``quiet``) needs no traceback (logged at debug); an error in the
+    env's or policy's own code keeps it, in the log before the one-line reason. A constructor
+    that fails for good (any other error) was exit 1 with a bare traceback: systemd retried it."""
+    _PHASE[:] = [key, doing or what]  # what the deadline names if it hangs
+    try:
+        return call()
+    except ConfigError:
+        raise
+    except _TRANSIENT:
+        raise
+    except EnvFault as exc:  # data a check refused (ingestd.collect.checks): it names the part at fault
+        raise ConfigError(exc.key, f"{what}: {exc}") from None
+    except Exception as exc:
+        refused = isinstance(exc, quiet)
+        log.log(logging.DEBUG if refused else logging.ERROR, "%s:", what, exc_info=True)
+        where = 'logged with service.log_level = "debug"' if refused else "in the log above"
+        detail = str(exc) if refused else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(key, f"{what}: {detail} (the traceback is {where})") from None
+
+
+_PHASE = ["workers.env", "the start-up probe"]  # [key, what]: the step under way, for the deadline's message
+EX_CONFIG = 78
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, stopping: Callable[[], bool]):
+    """Run the block under a watchdog thread: past ``seconds`` (0: never) the process exits 78
+    naming the step still running (a hung env or policy hung ``ingestd run`` and ``config
+    check`` for ever, with nothing in the log); on ``stopping()`` it exits 0 (a SIGTERM during
+    the probe was logged and ignored until systemd's SIGKILL). Nothing exists yet to clean up:
+    the probe runs before the daemon creates anything."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if stopping():
+                log.info("stopping during start-up (%s was still running)", _PHASE[1])
+                os._exit(0)
+            if seconds and time.monotonic() - start > seconds:
+                key, what = _PHASE
+                log.error("cannot start: config key %r: %s did not finish within workers.start_timeout_s "
+                          "(%g s): a hang in the %s's code? (raise workers.start_timeout_s if it is only slow; "
+                          "0 waits for ever)", key, what, seconds, key.split(".")[1])
+                os._exit(EX_CONFIG)
+
+    thread = threading.Thread(target=watch, name="ingestd-probe-deadline", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
+    """The policy's action for the env's first observation fits the env's spec: as many
+    elements per sub-env, and a float action for a float spec (an integer one for a discrete
+    spec). A 2-vector for Pendulum's 1 was stored as it came. Another shape of as many elements
+    (``[B]`` for ``[B, 1]``) or another dtype of the same kind (int32 for int64, float64 for
+    float32) is stored as the policy makes it, with a warning: envs take those, and a replay
+    made that way before must keep opening."""
+    with torch.no_grad():
+        out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation",
+                       lambda: policy(rollout.root.clone()), doing=f"policy {spec.policy}'s first action")
+    action = out.get("action", None) if hasattr(out, "get") else None
+    if not isinstance(action, torch.Tensor):
+        raise ConfigError("workers.policy", f"policy {spec.policy} returned no 'action' tensor (got "
+                                            f"{type(out).__name__}); a policy returns its input TensorDict with "
+                                            "'action' set")
+    want_shape, want_dtype = (env.num_envs, *env.spec.action_shape), env.spec.action_dtype
+    got, want = _described(action.shape, action.dtype), _described(want_shape, want_dtype)
+    per_env = math.prod(action.shape[1:]) if action.dim() else 0
+    if (action.dim() == 0 or action.shape[0] != env.num_envs or per_env != math.prod(env.spec.action_shape)
+            or action.dtype.is_floating_point != want_dtype.is_floating_point):
+        raise ConfigError("workers.policy", f"policy {spec.policy} acts with {got} actions, but env {spec.env} "
+                                            f"takes {want} (the first dimension is num_envs); make the policy fit "
+                                            "the env's spec (EnvSpec.action_shape and action_dtype)")
+    _guarded("workers.policy", f"policy {spec.policy}'s first action", lambda: check_action(out, rollout.checks))
+    if tuple(action.shape) != want_shape or action.dtype != want_dtype:
+        log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
+                    "them", spec.policy, got, spec.env, want)
+
+
+def _described(shape, dtype) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
