@@ -74,10 +74,12 @@ def nan_observation(ctx, **kw):
     return NaNObservation(ctx, **{"inner": "CartPole", **kw})
 
 
-def hanging_build(ctx, **kw):
-    """An env whose constructor never returns (a simulator waiting on a server for ever)."""
-    while True:
+def hanging_build(ctx, only_worker: int = -1, **kw):
+    """An env whose constructor never returns (a simulator waiting on a server for ever); with
+    ``only_worker``, only in that worker (the start-up probe builds as worker 0)."""
+    while only_worker < 0 or ctx.worker == only_worker:
         time.sleep(1.0)
+    return make_env("Checksum", ctx, {})
 
 
 def failing_constructor(ctx, **kw):

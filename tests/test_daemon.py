@@ -222,6 +222,20 @@ def test_env_slower_to_build_than_the_heartbeat_timeout_is_not_taken_for_a_hang(
         assert "worker.hung" not in d.log()
 
 
+def test_a_worker_whose_env_build_hangs_is_restarted_as_hung_after_the_start_timeout():
+    """The keepalive beat for a worker building its env for ever: it stayed ``starting`` with a
+    fresh heartbeat, never restarted (SAC review). It now stops beating after
+    workers.start_timeout_s, and the heartbeat check restarts the worker."""
+    overrides = {"workers.env": "faulty_envs:hanging_build", "workers.env_kwargs": {"only_worker": 1},
+                 "workers.policy": "Random", "workers.count": 2, "workers.heartbeat_timeout_s": 1.0,
+                 "workers.start_timeout_s": 1.0}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        d.wait_ready(rows=100)
+        wait_for(lambda: "event worker.hung {'worker': 1" in d.log(), 30, "worker 1 to be restarted as hung")
+        assert "has taken longer than workers.start_timeout_s" in d.log()
+        assert d.stop() == 0
+
+
 def test_a_chunk_slower_than_the_heartbeat_timeout_is_not_taken_for_a_hang():
     """Workers beat only between chunks: a chunk of slow steps (a simulator, a large policy)
     longer than heartbeat_timeout_s got its worker killed as hung before it wrote anything,
