@@ -17,6 +17,7 @@ from ingestd.collect.stats import PauseReason, StatsBlock
 from ingestd.errors import SampleTimeout, StorageNotFound
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.limiter import FILE, Limiter, LimiterParams, RateLimited, check_window, ensure_file, hold_worker
+from ingestd.replay import limiter as lim_module
 from ingestd.replay.lag_metrics import sampling_metrics
 from ingestd.weights.store import WeightStore
 
@@ -297,3 +298,27 @@ def test_daemon_workers_wait_for_a_stopped_trainer_visibly_and_resume(tmp_path):
             wait_for(lambda: sum(w.frames for w in client.status().workers) > frames, 10,
                      "the workers to collect with the limiter off")
             assert not client.limiter().workers_blocked
+
+
+def test_lag_metrics_leave_out_warm_up_rows_and_a_stale_trainer_report(shm_dir):
+    """Observability review: warm-up rows (version -1) counted as current version + 1 of lag,
+    and a trainer's last sampled lag stayed in limiter.bin, exported as current for ever (even
+    by the next daemon)."""
+    stats = StatsBlock(shm_dir / "stats", create=True)
+    try:
+        with ReplayStorage.open_or_create(shm_dir / "r", rows(1), 10_000) as store:
+            store.write(rows(50, version=-1))
+            store.write(rows(50, version=1))
+            lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+            lim.record_sampled_lag(0, 0.5, 1)
+            families = {f.name: f for f in sampling_metrics(store, 1, stats)}
+            stored = {s.labels["stat"]: s.value for s in families["ingestd_replay_policy_lag_versions"].samples}
+            assert stored == {"min": 0, "mean": 0, "max": 0}
+            sampled = {s.labels["stat"]: s.value for s in families["ingestd_sampled_policy_lag_versions"].samples}
+            assert sampled == {"min": 0, "mean": 0.5, "max": 1}
+            lim._f[lim_module.W_LAG_AT] = time.time() - 120  # reported two minutes ago
+            families = {f.name: f for f in sampling_metrics(store, 1, stats)}
+            assert all(math.isnan(s.value) for s in families["ingestd_sampled_policy_lag_versions"].samples)
+            lim.close()
+    finally:
+        stats.close()

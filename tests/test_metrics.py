@@ -2,6 +2,8 @@
 daemon scraped directly and by a real Prometheus evaluating every dashboard expr."""
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import signal
@@ -41,8 +43,10 @@ def value(found: dict, name: str, **labels) -> float:
     return found[(name, frozenset(labels.items()))]
 
 
-def by_worker(found: dict, name: str) -> dict[str, float]:
-    return {dict(k[1])["worker"]: v for k, v in found.items() if k[0] == name}
+def by_worker(found: dict, name: str, **labels) -> dict[str, float]:
+    """``{worker: value}`` of the samples of ``name`` that have ``labels`` too."""
+    return {dict(k[1])["worker"]: v for k, v in found.items()
+            if k[0] == name and labels.items() <= dict(k[1]).items()}
 
 
 def documented() -> dict[str, tuple[str, set[str]]]:
@@ -101,13 +105,31 @@ def test_state_is_one_hot(block, state):
     assert set(by_worker(found, "ingestd_frames_total")) == {"4"}  # empty slots are not workers
 
 
-@pytest.mark.parametrize("current,applied,lag", [(0, 0, 0), (3, 0, 3), (3, 3, 0), (7, 2, 5), (2, 5, 0)])
+@pytest.mark.parametrize("current,applied,lag", [(0, 0, 0), (3, 3, 0), (7, 2, 5), (2, 5, 0)])
 def test_policy_lag(block, current, applied, lag):
     block[0]["state"], block[0]["weights_version"] = State.RUNNING, applied
     found, _, _ = scrape(block, weights_version=current)
     assert value(found, "ingestd_weights_version") == current
     assert value(found, "ingestd_worker_weights_version", worker="0") == applied
     assert value(found, "ingestd_policy_lag_versions", worker="0") == lag
+
+
+@pytest.mark.parametrize("state", [State.STARTING, State.FAILED, State.STOPPED, State.RUNNING])
+def test_a_worker_that_applied_no_weights_has_no_version_and_no_lag(block, state):
+    """Observability review: each restart read version 0 and a lag of the whole store's version,
+    a spike far past the panel's threshold; a failed worker's lag grew with every push."""
+    block[0]["state"], block[0]["weights_version"] = state, 0
+    found, _, _ = scrape(block, weights_version=13)
+    assert math.isnan(value(found, "ingestd_worker_weights_version", worker="0"))
+    assert math.isnan(value(found, "ingestd_policy_lag_versions", worker="0"))
+
+
+def test_restarts_are_counted_by_reason(block):
+    """Observability review: IngestdWorkerRestarting fired on three operator restarts."""
+    block[0]["state"], block[0]["restarts"], block[0]["requested_restarts"] = State.RUNNING, 5, 3
+    found, _, _ = scrape(block)
+    assert value(found, "ingestd_worker_restarts_total", worker="0", reason="failure") == 2
+    assert value(found, "ingestd_worker_restarts_total", worker="0", reason="requested") == 3
 
 
 def _finish(block, index, returns):
@@ -448,7 +470,7 @@ def test_control_requests_and_weight_pushes_are_counted(live):
 def test_killed_worker_counts_a_restart(live):
     daemon = live.daemon
     before = samples(fetch(live))
-    restarts = by_worker(before, "ingestd_worker_restarts_total")
+    restarts = by_worker(before, "ingestd_worker_restarts_total", reason="failure")
     from ingestd.control.client import ControlClient
 
     with ControlClient(daemon.control_address, timeout=30) as client:
@@ -460,7 +482,7 @@ def test_killed_worker_counts_a_restart(live):
 
     def restarted():
         now = samples(fetch(live))
-        after = by_worker(now, "ingestd_worker_restarts_total")
+        after = by_worker(now, "ingestd_worker_restarts_total", reason="failure")
         grew = {w: after[w] - restarts[w] for w in restarts if after[w] != restarts[w]}
         up = by_worker(now, "ingestd_worker_up")
         return len(grew) == 1 and list(grew.values()) == [1] and set(up.values()) == {1}, (grew, up)

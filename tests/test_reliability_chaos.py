@@ -58,7 +58,7 @@ def metrics_restarts(daemon: DaemonProc) -> dict[int, int]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    return {int(w): int(v) for w, v in by_worker(samples(text), "ingestd_worker_restarts_total").items()}
+    return {int(w): int(v) for w, v in by_worker(samples(text), "ingestd_worker_restarts_total", reason="failure").items()}
 
 
 @pytest.mark.slow

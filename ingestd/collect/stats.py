@@ -74,6 +74,7 @@ RECORD = np.dtype([
     ("limiter_blocked_s", np.float64), ("chunk_seconds", np.float64),
     ("returns_count", np.int64), ("returns", np.float64, (RING,)), ("lengths", np.int64, (RING,)),
     ("error", f"S{ERROR_BYTES}"),
+    ("requested_restarts", np.int64),  # of ``restarts``: the ones a restart command asked for
     # collector features (ingestd.collect.features, ingestd.collect.profiling)
     ("threads", np.int64), ("profile_seq", np.int64), ("profile_done", np.int64),
     ("profile_seconds", np.float64), ("profile_path", "S256"),

@@ -287,6 +287,7 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
         try:
             applied, _ = ctx.wait(collecting, verdict, deadline, f"apply weights version {version}")
         except RequestError as exc:  # published all the same: the trainer may map versions to checkpoints
+            ctx.daemon.telemetry.observe_push(time.monotonic() - started)  # the slowest pushes count too
             raise RequestError(exc.code, exc.message, {"version": version}) from None
         # a paused worker resumed meanwhile (a concurrent resume) and applied it: it is not deferred
         caught_up = {i for i in deferred if int(layout.stats[i]["weights_version"]) >= version}

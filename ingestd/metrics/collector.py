@@ -43,15 +43,14 @@ _ALIVE_STATES = {int(State.STARTING), int(State.RUNNING), int(State.PAUSED), int
 WORKER_METRICS = (
     ("frames", CounterMetricFamily, "ingestd_frames", "Transitions (env steps x sub-envs) written by the worker."),
     ("episodes", CounterMetricFamily, "ingestd_episodes", "Episodes finished by the worker."),
-    ("restarts", CounterMetricFamily, "ingestd_worker_restarts",
-     "Times the supervisor restarted the worker (crash, hang or restart command)."),
     ("up", GaugeMetricFamily, "ingestd_worker_up", "1 if the worker process is alive, else 0."),
     ("heartbeat", GaugeMetricFamily, "ingestd_worker_heartbeat_age_seconds", "Seconds since the worker's last "
      "heartbeat (NaN while it has no live process: stopped, failed, not started yet)."),
     ("version", GaugeMetricFamily, "ingestd_worker_weights_version",
-     "Weights version the worker has applied (0: none yet)."),
-    ("lag", GaugeMetricFamily, "ingestd_policy_lag_versions", "Current weights version minus the worker's "
-     "applied version (0 when the policy has no weights)."),
+     "Weights version the running or paused worker has applied (NaN while it has none: starting, restarting, "
+     "failed)."),
+    ("lag", GaugeMetricFamily, "ingestd_policy_lag_versions", "Current weights version minus the running or "
+     "paused worker's applied version (0 when the policy has no weights; NaN while the worker applied none)."),
     ("mean", GaugeMetricFamily, "ingestd_worker_episode_return_mean",
      f"Mean return of the worker's last {RING} finished episodes (absent before the first one)."),
     ("limiter_s", CounterMetricFamily, "ingestd_limiter_blocked_seconds",
@@ -185,6 +184,9 @@ class IngestdCollector(Collector):
         families = {key: kind(name, doc, labels=["worker"]) for key, kind, name, doc in WORKER_METRICS}
         state = GaugeMetricFamily("ingestd_worker_state", "1 for the worker's current state, 0 for the others.",
                                   labels=["worker", "state"])
+        restarts = CounterMetricFamily("ingestd_worker_restarts", "Times the supervisor restarted the worker: "
+                                       "reason failure (a crash, a missed heartbeat or a failed start) or "
+                                       "requested (a restart command).", labels=["worker", "reason"])
         paused = GaugeMetricFamily("ingestd_worker_paused", "1 for why the worker is paused (requested: a pause "
                                    "command; budget: workers.total_frames reached), 0 for the other reasons.",
                                    labels=["worker", "reason"])
@@ -192,13 +194,16 @@ class IngestdCollector(Collector):
             w = [str(index)]
             for key, value in self._worker_values(rec, current, now).items():
                 families[key].add_metric(w, value)
+            requested = int(rec["requested_restarts"])
+            restarts.add_metric(w + ["failure"], int(rec["restarts"]) - requested)
+            restarts.add_metric(w + ["requested"], requested)
             for s in STATES:
                 state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
             reason = int(rec["pause_reason"]) if int(rec["state"]) == State.PAUSED else PauseReason.NONE
             for r in (PauseReason.REQUESTED, PauseReason.BUDGET):
                 paused.add_metric(w + [r.label], 1 if reason == r else 0)
             self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
-        return [*families.values(), state, paused,
+        return [*families.values(), restarts, state, paused,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
                                   value=int(self.desired_workers())),
                 GaugeMetricFamily("ingestd_weights_version", "Version of the newest weights in the weight store "
@@ -214,10 +219,14 @@ class IngestdCollector(Collector):
         applied = int(rec["weights_version"])
         alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
         age = heartbeat_age(rec, now)  # None as in status; NaN, not an age that grows for ever
+        # a version only for a worker that collects with one: a restarting worker read 0 and its lag
+        # the whole store's version (a spike past every threshold at each restart)
+        acting = int(rec["state"]) in (State.RUNNING, State.PAUSED) and (applied > 0 or current == 0)
         values = {
-            "frames": int(rec["frames"]), "episodes": int(rec["episodes"]), "restarts": int(rec["restarts"]),
+            "frames": int(rec["frames"]), "episodes": int(rec["episodes"]),
             "up": 1 if alive else 0, "heartbeat": math.nan if age is None else age,
-            "version": applied, "lag": max(0, current - applied) if current > 0 else 0,
+            "version": applied if acting else math.nan,
+            "lag": (max(0, current - applied) if current > 0 else 0) if acting else math.nan,
             "limiter_s": float(rec["limiter_blocked_s"]), "limiter_n": int(rec["limiter_waits"]),
         }
         recent = rec["returns"][:min(int(rec["returns_count"]), RING)]

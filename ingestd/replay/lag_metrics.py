@@ -2,12 +2,15 @@
 collector at scrape time."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter
 
 _LAG_SUBSAMPLE = 4096
+SAMPLED_LAG_FRESH_S = 60.0  # an older report of a trainer's sampled lag is not exported
 _limiters: dict = {}  # storage path -> (the storage handle, its limiter)
 
 
@@ -21,6 +24,7 @@ def stored_lag(store, current: int, n: int = _LAG_SUBSAMPLE, rng=None) -> tuple[
     slots = np.arange(filled) if filled <= n else rng.integers(0, filled, n)
     seq = store.seq[slots]
     versions = store._arrays[POLICY_VERSION][slots][(seq > 0) & ((seq & 1) == 0)]
+    versions = versions[versions >= 0]  # not the warm-up's rows (-1): no policy's, so no lag
     if versions.size == 0:
         return None
     lag = current - versions
@@ -47,11 +51,14 @@ def sampling_metrics(storage, current: int, stats) -> list:
     for stat, value in zip(("min", "mean", "max"), stored_lag(storage, current) or (float("nan"),) * 3):
         stored.add_metric([stat], value)  # NaN while the storage is empty
     sampled = GaugeMetricFamily("ingestd_sampled_policy_lag_versions", "Policy lag of the latest batch a "
-                                "trainer sampled (readers that know the weights version report it).",
+                                "trainer sampled (readers that know the weights version report it); NaN "
+                                f"when no trainer reported within {SAMPLED_LAG_FRESH_S:g} s.",
                                 labels=["stat"])
     lag = lim.sampled_lag() if lim is not None else None
+    if lag is not None and time.time() - lag[3] > SAMPLED_LAG_FRESH_S:
+        lag = None  # kept in limiter.bin across daemon restarts: a trainer gone long ago is not sampling now
     for stat, value in zip(("min", "mean", "max"), lag[:3] if lag else (float("nan"),) * 3):
-        sampled.add_metric([stat], value)  # NaN until a reader reported
+        sampled.add_metric([stat], value)  # NaN until a reader reported, and once its report is stale
     out += [stored, sampled]
     if lim is None:
         return out

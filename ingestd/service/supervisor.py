@@ -109,6 +109,7 @@ class Supervisor:
             if self.stats.state(index) == State.FAILED or not self._alive(slot):
                 if self.stats.state(index) == State.FAILED:  # a start after giving up: counted like any
                     self.stats[index]["restarts"] += 1
+                    self.stats[index]["requested_restarts"] += 1
                     self.stats[index]["state"] = State.STARTING
                 slot.start_at = self._clock()
                 self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
@@ -192,6 +193,7 @@ class Supervisor:
         if slot.restarting:
             slot.restarting = False
             rec["restarts"] += 1
+            rec["requested_restarts"] += 1
             slot.start_at = now
             self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
