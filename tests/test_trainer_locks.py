@@ -156,3 +156,30 @@ def test_workers_outlast_a_trainer_stopped_inside_update_priorities(tmp_path):
             wait_for(lambda: client.status().workers[0].frames > frames, 10, "collection after the release")
             worker = client.status().workers[0]
             assert worker.restarts == 0 and worker.state == "running", worker
+
+
+def test_recovery_at_start_never_waits_for_a_trainers_priority_lock(shm_dir):
+    """Operator review: a daemon started while a trainer was stopped inside update_priorities
+    blocked in flock(priority.lock) before any log line, until the trainer went on (under
+    systemd: killed at TimeoutStartSec, restarted, failed). Recovery now clears the dead slots'
+    leaves without the lock and leaves the tree's re-sum to the daemon's main loop."""
+    path = shm_dir / "r"
+    with ReplayStorage.create(path, rows(1), 1000) as store:
+        store.write(rows(100))
+        store.seq[10:20] += 1  # as writers killed mid-write leave them
+    held = Held(path / PRIORITY_LOCK)
+    result: list = []
+    try:
+        opener = threading.Thread(target=lambda: result.append(ReplayStorage.open(path, recover=True)), daemon=True)
+        opener.start()
+        opener.join(10)
+        assert result, "opening with recovery waited on the trainer's priority.lock"
+        store = result[0]
+        assert (store.seq[10:20] == 0).all() and (store._priorities.levels[0][10:20] == 0).all()
+    finally:
+        held.release()
+    store.enter_unentered(timeout=1.0)  # what the daemon's main loop does once the lock is free
+    with ReplayReader(path, sampler="prioritized") as reader:
+        drawn = reader.sample(512).get(("ingestd", "write_index")).numpy()
+        assert not np.isin(drawn, np.arange(10, 20)).any()
+    store.close()

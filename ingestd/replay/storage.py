@@ -17,6 +17,7 @@ cleared, never left odd.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -27,11 +28,13 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ingestd.errors import ClosedError, CorruptStorage, SchemaMismatch
+from ingestd.errors import ClosedError, CorruptStorage, LockBusy, SchemaMismatch
 from ingestd.replay import files
 from ingestd.replay import limiter
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
+
+log = logging.getLogger("ingestd.replay")
 
 
 def schema_of(example_or_spec: TensorDictBase | Mapping) -> dict[Key, Leaf]:
@@ -243,9 +246,14 @@ class ReplayStorage(MappedStore):
                     if not files.slots_locked(self._lock_fd, slot, 1):
                         self.seq[slot] = 0
                         cleared += 1
-        if cleared:
-            self._priorities.clear(np.flatnonzero(self.seq == 0))
-        self.enter_unentered()
+        if cleared:  # lock-free, as a writer's vacate: a trainer stopped inside update_priorities
+            # holds priority.lock, and a daemon starting must not wait on it (it hung, silently)
+            self._priorities.levels[0][np.flatnonzero(self.seq[:self.capacity] == 0)] = 0.0
+        try:
+            self.enter_unentered(timeout=0.0)  # and re-sums the tree; else the daemon tries again later
+        except LockBusy:
+            log.warning("%s is locked by a trainer (stopped inside update_priorities?): the priority tree "
+                        "is repaired once it is free", self.path / "priority.lock")
         return cleared
 
     def enter_unentered(self, timeout: float | None = None) -> int:

@@ -116,7 +116,7 @@ def _main(argv: list[str] | None) -> int:
         catch_early_sighup()  # before the seconds of imports: a SIGHUP must not kill a starting daemon
     if args.command == "replay":
         return _replay(args)
-    from ingestd.errors import ConfigError, DaemonAlreadyRunning, SchemaMismatch, StorageFull
+    from ingestd.errors import ConfigError, DaemonAlreadyRunning, LockBusy, SchemaMismatch, StorageFull
     from ingestd.service import config as cfg
 
     try:
@@ -154,7 +154,7 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, SchemaMismatch, StorageFull) as exc:
         logging.getLogger("ingestd").error("cannot start: %s", exc)
         return EX_CONFIG
-    except DaemonAlreadyRunning as exc:
+    except (DaemonAlreadyRunning, LockBusy) as exc:  # another process holds what it needs: a retry may do
         logging.getLogger("ingestd").error("cannot start: %s", exc)
         return EX_TEMPFAIL
 

@@ -65,7 +65,9 @@ class Daemon:
         # command (run here, between supervisor ticks, it undid a scale or restart a command was
         # waiting on, which then timed out saying its request stayed in effect)
         self.reload_runner: Callable[[], None] | None = None
-        self._priorities_to_repair = False  # set when a worker died (see _repair_priorities)
+        # set when a worker died (see _repair_priorities), and at start: the recovery may have found
+        # priority.lock held by a trainer and left the tree's repair to the main loop
+        self._priorities_to_repair = True
         self._ready = False  # READY=1 sent (the workers wrote, or none ever will)
         self._listeners: list[Callable[..., None]] = []
         self.layout: Layout | None = None

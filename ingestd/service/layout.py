@@ -18,6 +18,7 @@ from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
 from ingestd.service.probe import check_buildable
 
 log = logging.getLogger("ingestd.daemon")
+START_LOCK_WAIT_S = 10.0  # the start waits this long for a lock file a trainer holds
 WEIGHTS_MODE = 0o640  # trainers in the daemon's group may follow the version (``weights_path=``)
 
 
@@ -90,7 +91,9 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
     from ingestd.replay.limiter import Limiter, params_of
 
     limiter = Limiter.attach(paths.replay, inserts=lambda: storage.write_count)
-    limiter.configure(params_of(config.limiter))
+    # limiter.bin is trainer-writable: one stopped inside a rate-limited sample holds its lock
+    # (the start waited for it for ever, silently); LockBusy: ``ingestd run`` exits 75, retried
+    limiter.configure(params_of(config.limiter), timeout=START_LOCK_WAIT_S)
     return Layout(config, paths, storage, stats, weights, manifest, policy, limiter)
 
 
