@@ -687,3 +687,31 @@ def test_a_storage_without_room_is_a_clear_error_at_create_and_leaves_nothing(sh
         pass
     data = path / "data.bin"
     assert data.stat().st_blocks * 512 >= data.stat().st_size  # allocated, not sparse
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
+def test_a_storage_whose_priority_tree_does_not_fit_leaves_nothing_and_says_the_whole_need(tmp_path):
+    """Operator review: when the data fitted but the priority tree did not, a storage with
+    meta.json stayed behind (holding the tmpfs's memory), its message left the tree out of the
+    need, and a lower replay.capacity then failed on the half-made storage again."""
+    from ingestd.errors import StorageFull
+    from ingestd.replay import files, priority
+    from ingestd.replay.storage import schema_of
+
+    capacity = 1 << 16
+    schema = schema_of(rp.spec("cartpole"))
+    data = files.header_bytes(capacity) + files.plan_layout(schema, capacity).data_bytes
+    whole = data + priority.file_bytes(capacity)
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={data + (whole - data) // 2}", "tmpfs", str(mount)],
+                   check=True)
+    try:
+        with pytest.raises(StorageFull) as err:
+            ReplayStorage.create(mount / "r", rp.spec("cartpole"), capacity)
+        assert f"it needs {whole / 2**20:.1f} MiB with its priority tree" in str(err.value), err.value
+        assert {p.name for p in (mount / "r").iterdir()} <= {"lock", "priority.lock"}  # no half-made storage
+        with ReplayStorage.create(mount / "r", rp.spec("cartpole"), capacity // 4):  # a smaller one fits there
+            pass
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: a leaked descriptor must not keep it

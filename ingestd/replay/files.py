@@ -52,7 +52,8 @@ HEADER_WORDS = 64
 H_MAGIC, H_VERSION, H_CAPACITY, H_WRITE_COUNT, H_INCARNATIONS = 0, 1, 2, 3, 4
 ALIGN = 4096
 LARGE_ROW_BYTES = 2048  # a leaf with at least this many bytes per row gets its own column
-CREATION_FILES = frozenset({"lock", "header.bin", "data.bin", "meta.json.tmp"})
+CREATION_FILES = frozenset({"lock", "header.bin", "data.bin", "meta.json.tmp", "priority.bin", "priority.bin.tmp",
+                            "priority.lock"})
 
 
 def header_bytes(capacity: int) -> int:
@@ -156,11 +157,12 @@ def write_new(path: Path, data: bytes, mode: int = 0o666) -> None:
         os.close(fd)
 
 
-def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
+def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, also_needed: int = 0) -> None:
     """Create the header and data files with every block allocated (meta.json comes last).
 
     Allocating up front turns a full tmpfs or disk into a clear error here, instead of a
-    SIGBUS in whichever worker first touches an unbacked page of a sparse file."""
+    SIGBUS in whichever worker first touches an unbacked page of a sparse file.
+    ``also_needed``: bytes the storage's other files take (its priority tree), in the message."""
     sizes = {"header.bin": header_bytes(capacity), "data.bin": plan_layout(schema, capacity).data_bytes}
     try:
         for name, size in sizes.items():
@@ -169,14 +171,20 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
         for name in sizes:
             (path / name).unlink(missing_ok=True)
         if exc.errno in NO_ROOM:
-            need = sum(sizes.values())
-            raise StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB "
-                              f"({exc.strerror}); lower replay.capacity or choose a replay.path with space") from exc
+            raise no_room(path, capacity, sum(sizes.values()) + also_needed, exc) from exc
         raise
     header = np.memmap(path / "header.bin", dtype=np.int64, mode="r+", shape=(HEADER_WORDS + capacity,))
     header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
     header.flush()
     del header
+
+
+def no_room(path: Path, capacity: int, need: int, exc: OSError) -> StorageFull:
+    """The error for a replay that does not fit where it is to be created."""
+    return StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB with its "
+                       f"priority tree ({getattr(exc, 'strerror', None) or 'No space left on device'}); lower replay.capacity or choose a replay.path with space. If "
+                       f"the files there do not account for the space in use, processes may still map a removed "
+                       f"replay (a trainer attached before a restart): `lsof +L1 {path.parent}` lists them")
 
 
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full file system, a file-size limit, a quota

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ingestd.errors import ClosedError, CorruptStorage, LockBusy, SchemaMismatch
+from ingestd.errors import ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull
 from ingestd.replay import files
-from ingestd.replay import limiter
+from ingestd.replay import limiter, priority
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
 
@@ -175,7 +175,14 @@ class ReplayStorage(MappedStore):
                 raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open")
             if any(p.name not in files.CREATION_FILES for p in path.iterdir()):
                 raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
-            files.allocate(path, schema, capacity)
+            files.allocate(path, schema, capacity, also_needed=priority.file_bytes(capacity))
+            try:  # the tree too, before meta.json: a storage that does not fit leaves nothing behind
+                PriorityTree.attach(path, capacity).close()
+            except StorageFull as exc:
+                for name in ("header.bin", "data.bin"):
+                    (path / name).unlink(missing_ok=True)
+                raise files.no_room(path, capacity, files.header_bytes(capacity) + files.plan_layout(
+                    schema, capacity).data_bytes + priority.file_bytes(capacity), exc.__cause__) from exc
             files.write_meta(path, schema, capacity)
         finally:
             os.close(fd)
