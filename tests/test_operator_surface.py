@@ -260,3 +260,60 @@ def test_sigterm_during_a_hung_start_up_probe_stops_the_daemon(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_replay_is_private_to_the_group_whatever_the_umask(tmp_path):
+    """Operator review: the replay's directory and data files took the process's umask (with
+    002, data.bin was group-writable: any trainer could overwrite rows); only the files trainers
+    write may be group-writable."""
+    from replay_payload import spec
+
+    from ingestd.replay import ReplayStorage
+
+    old = os.umask(0o002)
+    try:
+        with ReplayStorage.create(tmp_path / "r", spec("cartpole"), 1024):
+            pass
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "r", *(tmp_path / "r").iterdir()]}
+    assert modes["r"] == 0o750 and modes["data.bin"] == modes["header.bin"] == modes["meta.json"] == 0o640, modes
+    assert modes["priority.bin"] == 0o660, modes  # trainers update priorities
+
+
+def test_a_second_daemon_reaching_the_replay_through_a_symbolic_link_is_refused(tmp_path):
+    """Operator review: the replay's lock was keyed on the path as written, so a second daemon
+    on a symlink to the same replay wrote into it and numbered weights over the first's."""
+    from ingestd.errors import DaemonAlreadyRunning
+    from ingestd.service.instance import lock_replay
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    fd = lock_replay(tmp_path / "real" / "replay")
+    try:
+        with pytest.raises(DaemonAlreadyRunning):
+            lock_replay(tmp_path / "alias" / "replay")
+    finally:
+        os.close(fd)
+
+
+STATS_NO_ROOM = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+from ingestd.collect.stats import StatsBlock
+from ingestd.errors import StorageFull
+try:
+    StatsBlock(sys.argv[1], create=True)
+except StorageFull as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_no_room_for_the_stats_block_is_a_clear_error_naming_the_runtime_dir(tmp_path):
+    """Operator review: a traceback and exit 1 (retried by systemd), where the weight store in
+    the same runtime dir said what to do."""
+    out = subprocess.run([sys.executable, "-c", STATS_NO_ROOM, str(tmp_path / "workers.stats")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "service.runtime_dir" in out.stdout, (out.stdout, out.stderr)

@@ -99,14 +99,19 @@ class StatsBlock:
         self.path = Path(path)
         size = RECORD.itemsize * MAX_WORKERS
         if create:
-            from ingestd.replay.files import reserve  # here: the package imports torch, readers of stats need not
+            from ingestd.errors import StorageFull
+            from ingestd.replay.files import NO_ROOM, reserve  # here, not at the top: readers of stats need neither
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             try:
                 reserve(fd, size)  # a full runtime dir: ENOSPC here, not SIGBUS in a worker
-            except BaseException:
+            except BaseException as exc:
                 os.close(fd)
+                if isinstance(exc, OSError) and exc.errno in NO_ROOM:  # was a traceback and exit 1 (retried)
+                    raise StorageFull(f"no room for the workers' stats block {self.path} ({size // 1024} KiB, "
+                                      f"{exc.strerror}): free space where service.runtime_dir is, or choose a "
+                                      "runtime dir with room") from exc
                 raise
         else:
             fd = os.open(self.path, os.O_RDWR)

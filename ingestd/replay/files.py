@@ -146,7 +146,7 @@ def write_meta(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
     os.replace(tmp, path / "meta.json")
 
 
-def write_new(path: Path, data: bytes, mode: int = 0o666) -> None:
+def write_new(path: Path, data: bytes, mode: int = 0o640) -> None:
     """Write ``data`` to ``path`` (a temporary name of ours), never through a link planted there."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
@@ -198,7 +198,9 @@ def allocate_file(file: Path, size: int) -> None:
     """Create ``file`` of ``size`` bytes, its blocks allocated with posix_fallocate where the file
     system has it (tmpfs, ext4, xfs; elsewhere it stays sparse). Raises an ``OSError`` whose
     errno is in ``NO_ROOM`` when there is no room."""
-    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)  # never through a planted link
+    # never through a planted link; 0640 whatever the umask (with 002, a trainer in the group
+    # could have overwritten rows): only the files trainers write are group-writable (TRAINER_WRITABLE)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
     try:
         reserve(fd, size)
     finally:

@@ -167,7 +167,7 @@ class ReplayStorage(MappedStore):
             raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open to reopen it")
         if path.is_dir() and any(p.name not in files.CREATION_FILES for p in path.iterdir()):
             raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
-        path.mkdir(parents=True, exist_ok=True, mode=0o775)  # never writable by everyone, whatever the umask
+        path.mkdir(parents=True, exist_ok=True, mode=0o750)  # the group reads, nobody else; whatever the umask
         fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # two creators: the second finds meta.json below

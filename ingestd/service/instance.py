@@ -111,6 +111,9 @@ def lock_replay(replay) -> int:
     recover slots the other is writing, number weights over each other and stamp the same worker
     indices. Taken before the replay is opened."""
     make_dir(Path(replay).parent, "replay.path")
+    # keyed on the resolved path: a second daemon reaching the replay through a symbolic link
+    # wrote into it too, numbering weights over the first's (a bind mount is not caught)
+    replay = os.path.realpath(replay)
     return _hold(Path(f"{replay}.lock"), "replay.path",
                  f"another ingestd daemon writes the replay {replay}; stop it, or give this one its own "
                  "replay.path (trainers can read a replay any daemon writes)")

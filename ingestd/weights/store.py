@@ -101,8 +101,10 @@ class WeightStore:
             except OSError as exc:
                 if exc.errno not in files.NO_ROOM:
                     raise
-                raise StorageFull(f"no room for the weight store at {path}: it needs {(bases[1] + size) / 2**20:.1f} "
-                                  f"MiB ({exc.strerror}); free space where service.runtime_dir is, or choose a "
+                need = bases[1] + size  # (a small policy's store "needed 0.0 MiB")
+                raise StorageFull(f"no room for the weight store at {path}: it needs "
+                                  f"{f'{need / 2**20:.1f} MiB' if need >= 2**20 else f'{need / 1024:.0f} KiB'} "
+                                  f"({exc.strerror}); free space where service.runtime_dir is, or choose a "
                                   "runtime dir with room") from exc
             mm = mmap.mmap(fd, bases[1] + size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             mm[PAGE:PAGE + len(manifest_json)] = manifest_json
