@@ -317,3 +317,30 @@ def test_no_room_for_the_stats_block_is_a_clear_error_naming_the_runtime_dir(tmp
     out = subprocess.run([sys.executable, "-c", STATS_NO_ROOM, str(tmp_path / "workers.stats")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "service.runtime_dir" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_user_outside_the_group_is_told_at_once_and_why(tmp_path, monkeypatch):
+    """Operator review: ``ControlClient`` waited its whole timeout (5 s for status, 15 s for a
+    pause) before saying that the socket was not writable; ``ReplayReader`` raised a bare
+    PermissionError on header.bin. (Root passes every access check, so the denial is simulated.)"""
+    import socket as socket_module
+
+    from ingestd import ControlClient, DaemonUnavailable
+    from ingestd.control import client as client_module
+    from ingestd.replay import reader as reader_module
+
+    path = tmp_path / "control.sock"
+    with socket_module.socket(socket_module.AF_UNIX) as listener:
+        listener.bind(str(path))
+        monkeypatch.setattr(client_module.os, "access", lambda p, mode: str(p) != str(path))
+        with ControlClient(f"ipc://{path}", timeout=30) as client, pytest.raises(DaemonUnavailable) as err:
+            client.status()
+    assert "was not sent" in str(err.value) and "join the daemon's group" in str(err.value), err.value
+
+    def denied(p):
+        raise PermissionError(13, "Permission denied", str(p))
+
+    monkeypatch.setattr(reader_module, "file_identity", denied)
+    with pytest.raises(PermissionError) as err:
+        reader_module.ReplayReader(tmp_path / "replay")
+    assert "trainers need read access" in str(err.value) and "group" in str(err.value), err.value

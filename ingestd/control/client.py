@@ -326,6 +326,10 @@ class ControlClient:
         attempts = 1 + (self.retries if request.idempotent else 0)
         if not self.wait_for_socket and self._socket_file is not None and not _may_exist(self._socket_file):
             raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: {self._no_socket()}")
+        if self._socket_file is not None and _may_exist(self._socket_file) and not os.access(self._socket_file, os.W_OK):
+            # said at once: connecting needs write access, and a refused connect only looked like silence
+            raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: you have no write access to "
+                                    f"{self._socket_file}; join the daemon's group (docs/systemd.md)")
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:

@@ -69,9 +69,13 @@ class ReplayReader(MappedStore):
         # the path given, even if the process chdirs later; looked at before mapping, so a storage
         # swapped meanwhile is reported by the first check rather than missed
         self._attached_at = Path(path).expanduser().absolute()
-        self._identity = file_identity(self._attached_at / "header.bin")
         try:
+            self._identity = file_identity(self._attached_at / "header.bin")
             super().__init__(path, writable=False)
+        except PermissionError as exc:  # a bare EACCES on header.bin said nothing of the cause
+            raise PermissionError(exc.errno, f"{exc.strerror}: cannot read the replay at {self._attached_at} "
+                                  f"({exc.filename}); trainers need read access: run as a user in the group that "
+                                  "owns it (the daemon's group, docs/systemd.md)", exc.filename) from None
         except StorageNotFound as exc:
             inner = Path(path).expanduser() / "replay"
             try:

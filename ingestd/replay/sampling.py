@@ -16,6 +16,7 @@ are drawn and which copied rows are accepted:
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -31,6 +32,8 @@ from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.reader import rows_count, slot_indices, wait_deadline
 from ingestd.weights.follow import FollowedStore
+
+log = logging.getLogger("ingestd.replay")
 
 SAMPLERS = ("uniform", "prioritized")
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -404,7 +407,11 @@ def _attach_limiter(reader) -> Limiter | None:
         return None
     try:
         return Limiter(reader.path, inserts=lambda: reader.write_count)
-    except PermissionError:  # no write access: this reader cannot take part in rate limiting
+    except PermissionError:  # no write access: this reader cannot take part in rate limiting; said
+        # once, as a limiter the daemon enforces would otherwise be bypassed without a word
+        log.warning("cannot open %s for writing: this reader's samples are not rate-limited nor counted; add "
+                    "the trainer's user to the daemon's group (docs/systemd.md) to take part in rate limiting",
+                    reader.path / LIMITER_FILE)
         return None
 
 
