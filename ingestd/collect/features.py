@@ -199,29 +199,39 @@ class KeepaliveFirstCall:
 
 
 @contextlib.contextmanager
-def keepalive(beat, every_s: float = 0.5, limit_s: float = 0.0, doing: str = ""):
-    """A thread calls ``beat()`` every ``every_s`` seconds while the block runs: for the slow,
-    one-off steps of a worker (building its env, compiling its policy) that must not be taken
-    for a hang. After ``limit_s`` (0: never) it stops beating, saying so, and the supervisor's
-    heartbeat check restarts the worker: a hung build is not kept alive for ever."""
+def ticking(tick: Callable[[float], bool], every_s: float, name: str):
+    """While the block runs, a thread calls ``tick(seconds since the block began)`` every
+    ``every_s`` seconds, until the block ends or ``tick`` returns False."""
     done = threading.Event()
     start = time.monotonic()
 
     def run() -> None:
-        while not done.wait(every_s):
-            if limit_s and time.monotonic() - start > limit_s:
-                log.error("%s has taken longer than workers.start_timeout_s (%g s); no more heartbeats: "
-                          "the supervisor will restart this worker as hung", doing or "a start-up step", limit_s)
-                return
-            beat()
+        while not done.wait(every_s) and tick(time.monotonic() - start):
+            pass
 
-    thread = threading.Thread(target=run, name="ingestd-keepalive", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         done.set()
         thread.join()
+
+
+def keepalive(beat, every_s: float = 0.5, limit_s: float = 0.0, doing: str = ""):
+    """A thread calls ``beat()`` every ``every_s`` seconds while the block runs: for the slow,
+    one-off steps of a worker (building its env, compiling its policy) that must not be taken
+    for a hang. After ``limit_s`` (0: never) it stops beating, saying so, and the supervisor's
+    heartbeat check restarts the worker: a hung build is not kept alive for ever."""
+    def tick(elapsed: float) -> bool:
+        if limit_s and elapsed > limit_s:
+            log.error("%s has taken longer than workers.start_timeout_s (%g s); no more heartbeats: "
+                      "the supervisor will restart this worker as hung", doing or "a start-up step", limit_s)
+            return False
+        beat()
+        return True
+
+    return ticking(tick, every_s, "ingestd-keepalive")
 
 
 # -- the worker's view -------------------------------------------------------------------------

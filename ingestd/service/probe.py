@@ -6,18 +6,15 @@ rows give the storage its schema. A failure is a config error naming the key at 
 and gives way to a SIGTERM."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import threading
-import time
 from typing import Callable
 
 import torch
 
 from ingestd.collect.checks import ClippedActions, RowChecks, check_action
-from ingestd.collect.features import check_device
+from ingestd.collect.features import check_device, ticking
 from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
 from ingestd.collect.worker import WorkerSpec, build_env, build_policy
@@ -151,35 +148,25 @@ _PHASE = ["workers.env", "the start-up probe"]  # [key, what]: the step under wa
 EX_CONFIG = 78
 
 
-@contextlib.contextmanager
 def _deadline(seconds: float, stopping: Callable[[], bool]):
     """Run the block under a watchdog thread: past ``seconds`` (0: never) the process exits 78
     naming the step still running (a hung env or policy hung ``ingestd run`` and ``config
     check`` for ever, with nothing in the log); on ``stopping()`` it exits 0 (a SIGTERM during
     the probe was logged and ignored until systemd's SIGKILL). Nothing exists yet to clean up:
     the probe runs before the daemon creates anything."""
-    done = threading.Event()
-    start = time.monotonic()
+    def tick(elapsed: float) -> bool:
+        if stopping():
+            log.info("stopping during start-up (%s was still running)", _PHASE[1])
+            os._exit(0)
+        if seconds and elapsed > seconds:
+            key, what = _PHASE
+            log.error("cannot start: config key %r: %s did not finish within workers.start_timeout_s "
+                      "(%g s): a hang in the %s's code? (raise workers.start_timeout_s if it is only slow; "
+                      "0 waits for ever)", key, what, seconds, key.split(".")[1])
+            os._exit(EX_CONFIG)
+        return True
 
-    def watch() -> None:
-        while not done.wait(0.1):
-            if stopping():
-                log.info("stopping during start-up (%s was still running)", _PHASE[1])
-                os._exit(0)
-            if seconds and time.monotonic() - start > seconds:
-                key, what = _PHASE
-                log.error("cannot start: config key %r: %s did not finish within workers.start_timeout_s "
-                          "(%g s): a hang in the %s's code? (raise workers.start_timeout_s if it is only slow; "
-                          "0 waits for ever)", key, what, seconds, key.split(".")[1])
-                os._exit(EX_CONFIG)
-
-    thread = threading.Thread(target=watch, name="ingestd-probe-deadline", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    return ticking(tick, 0.1, "ingestd-probe-deadline")
 
 
 def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
