@@ -104,3 +104,32 @@ def test_a_command_in_flight_when_the_server_stops_still_gets_its_reply(tmp_path
 
 
 STOP_WITHIN_S = 3.0
+
+
+def test_a_push_whose_worker_dies_before_applying_it_says_so():
+    """SAC review: when every worker died during the wait, push_weights(wait=True) returned
+    ``applied=[], deferred=[]`` as a success, which reads as "no worker needed it"."""
+    import os
+    import signal
+    import threading
+    import time
+
+    overrides = {"workers.count": 1, "workers.env": "reliability_util:slow_checksum",
+                 "workers.env_kwargs": {"step_s": 0.1}, "workers.chunk_steps": 30,  # ~3 s chunks
+                 "workers.policy": "control_plugins:readable", "workers.num_envs": 4,
+                 "workers.heartbeat_timeout_s": 10.0, "replay.capacity": 10_000, "metrics.enabled": False}
+    with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        with ControlClient(d.control_address, timeout=5.0) as c:
+            frames = wait_for(lambda: c.status().workers[0].frames or None, 60, "a first chunk", interval=0.05)
+            wait_for(lambda: c.status().workers[0].frames > frames, 30, "a chunk boundary", interval=0.05)
+            pid = c.status().workers[0].pid  # ~3 s until it applies a new version
+            replies: list = []
+            pusher = threading.Thread(target=lambda: replies.append(
+                c.push_weights_detailed(control_plugins.weights(1.0), wait=True, timeout_s=20)))
+            pusher.start()
+            time.sleep(0.5)
+            assert pid > 0
+            os.kill(pid, signal.SIGKILL)
+            pusher.join(30)
+            assert replies, "the push did not come back"
+            assert replies[0].applied == [] and replies[0].dropped == [0], replies[0]

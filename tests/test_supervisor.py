@@ -354,3 +354,23 @@ def test_a_failed_worker_shows_no_pid_and_its_restart_is_an_event_and_counted(sl
     assert ("worker.restarted", {"worker": 0, "reason": "requested", "after_s": 0.0}) in events
     assert int(stats[0]["restarts"]) == restarts + 1
     assert State(int(stats[0]["state"])) == State.STARTING
+
+
+def test_a_failed_worker_is_retried_after_failed_retry_s_with_a_fresh_budget(sleepers):
+    """SAC review: a simulator down for three seconds left workers failed until an operator came."""
+    supervisor, stats, procs, now = sleepers
+    supervisor.policy = RestartPolicy(heartbeat_timeout_s=TIMEOUT_S, budget=1, failed_retry_s=60.0)
+    events = []
+    supervisor._on_event = lambda kind, **fields: events.append((kind, fields))
+    started = []
+    supervisor._start = lambda index, slot: started.append(index) or setattr(slot, "start_at", None)
+    procs[0].stop()
+    supervisor.tick()
+    assert State(int(stats[0]["state"])) == State.FAILED
+    now[0] += 59.0
+    supervisor.tick()
+    assert started == [] and State(int(stats[0]["state"])) == State.FAILED
+    now[0] += 2.0
+    supervisor.tick()
+    assert started == [0] and supervisor.slots[0].failures == 0
+    assert ("worker.restarted", {"worker": 0, "reason": "retry after failed", "after_s": 0.0}) in events

@@ -319,8 +319,10 @@ def _push(client, args, out: Output) -> int:
     if args.no_wait:  # nothing was waited for, so "applied by workers none" would read as a failure
         return out.ok(pushed.to_json(), f"weights v{pushed.version}: published in {_ms(pushed.seconds)}; workers "
                                         f"apply it between chunks (not waited for){deferred}")
+    dropped = (f"; workers {_list(pushed.dropped)} died or stopped before applying it (they load it when they "
+               "restart)" if pushed.dropped else "")
     return out.ok(pushed.to_json(), f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
-                                    f"in {_ms(pushed.seconds)}{deferred}")
+                                    f"in {_ms(pushed.seconds)}{deferred}{dropped}")
 
 
 def load_state_dict(path: str) -> dict:

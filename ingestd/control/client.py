@@ -386,7 +386,9 @@ class ControlClient:
             self._socket = self._poller = None
 
     def _no_socket(self) -> str:
-        return f"there is no socket at {self._socket_file}: is the daemon running with this runtime dir?"
+        where = ("; a daemon elsewhere: set INGESTD_CONTROL or pass --connect / ControlClient(address=...)"
+                 if self._own_dir else "")
+        return f"there is no socket at {self._socket_file}: is the daemon running with this runtime dir?{where}"
 
     def _silence(self, cmd: str, budget: float, attempts: int) -> str:
         hint = ""

@@ -406,6 +406,9 @@ class Pushed(Result):
     applied: list[int]  # live workers that applied it before the reply (wait=true)
     deferred: list[int]  # paused workers: they apply it before their next chunk
     seconds: float
+    # (wait=true) workers that were collecting but died, failed or stopped before applying it;
+    # a worker that restarts loads the current version before it collects
+    dropped: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

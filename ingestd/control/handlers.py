@@ -166,11 +166,12 @@ def resume(ctx: Context, request: Resume) -> dict:
     return _change_desired(ctx, request, Desired.RUN)
 
 
-def _started_again(index: int, old_pid: int, rec) -> bool | None:
-    """Verdict for a worker that must come (back) up as a new process. ``failed`` counts only
-    for a new process: a failed worker being restarted still shows its old failure at first."""
-    state, pid = int(rec["state"]), int(rec["pid"])
-    if pid in (0, old_pid):
+def _started_again(index: int, old_incarnation: int, rec) -> bool | None:
+    """Verdict for a worker that must come (back) up as a new process (a new incarnation: every
+    start numbers one; pids do not tell, a failed worker shows pid 0). ``failed`` counts only for
+    a new process: a failed worker being restarted still shows its old failure at first."""
+    state, incarnation = int(rec["state"]), int(rec["incarnation"])
+    if incarnation in (0, old_incarnation):
         return None
     if state in (State.RUNNING, State.PAUSED):
         return True
@@ -200,7 +201,7 @@ def restart(ctx: Context, request: Restart) -> dict:
     def change(deadline: float) -> list[int]:
         def go() -> dict[int, int]:
             chosen = daemon.supervisor.restart(list(request.workers) if request.workers else None)
-            return {i: int(stats[i]["pid"]) for i in chosen}
+            return {i: int(stats[i]["incarnation"]) for i in chosen}
 
         try:
             old = ctx.on_main(go, deadline)
@@ -223,7 +224,8 @@ def scale(ctx: Context, request: Scale) -> dict:
             sup = daemon.supervisor
             before = {i: int(stats[i]["pid"]) for i in sup.live()}
             daemon.scale(request.count)  # checked like the config (replay capacity), and then the effective config
-            fresh = {i: int(stats[i]["pid"]) for i, s in sup.slots.items() if not s.retiring and i not in before}
+            fresh = {i: int(stats[i]["incarnation"]) for i, s in sup.slots.items()
+                     if not s.retiring and i not in before and stats.state(i) != State.FAILED}
             leaving = {i: 0 for i, s in sup.slots.items() if s.retiring}
             return fresh, leaving
 
@@ -272,6 +274,7 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
     published = time.monotonic()
     ctx.publish("weights.published", version=version)
     applied: list[int] = []
+    dropped: list[int] = []
     collecting, deferred = _push_audience(ctx, version)
     if request.wait:
         def verdict(index: int, pid: int, rec) -> bool | None:
@@ -285,19 +288,20 @@ def push_weights(ctx: Context, request: PushWeights) -> dict:
             return None
 
         try:
-            applied, _ = ctx.wait(collecting, verdict, deadline, f"apply weights version {version}")
+            applied, dropped = ctx.wait(collecting, verdict, deadline, f"apply weights version {version}")
         except RequestError as exc:  # published all the same: the trainer may map versions to checkpoints
             ctx.daemon.telemetry.observe_push(time.monotonic() - started)  # the slowest pushes count too
             raise RequestError(exc.code, exc.message, {"version": version}) from None
         # a paused worker resumed meanwhile (a concurrent resume) and applied it: it is not deferred
         caught_up = {i for i in deferred if int(layout.stats[i]["weights_version"]) >= version}
         applied, deferred = sorted({*applied, *caught_up}), [i for i in deferred if i not in caught_up]
+        dropped = [i for i in dropped if i not in applied and i not in deferred]
     seconds = time.monotonic() - started
     ctx.daemon.telemetry.observe_push(seconds)
     log.info("weights v%d: %.1f MB decoded in %.1f ms, published in %.1f ms, applied by %s after %.1f ms in total",
              version, layout.manifest.total_bytes / 1e6, (decoded - started) * 1e3, (published - decoded) * 1e3,
              applied if request.wait else "(not waited for)", seconds * 1e3)
-    return Pushed(version, applied, sorted(deferred), round(seconds, 6)).to_json()
+    return Pushed(version, applied, sorted(deferred), round(seconds, 6), dropped).to_json()
 
 
 def _push_audience(ctx: Context, version: int) -> tuple[dict[int, int], list[int]]:

@@ -256,6 +256,8 @@ class ReplayStorage(MappedStore):
         if cleared:  # lock-free, as a writer's vacate: a trainer stopped inside update_priorities
             # holds priority.lock, and a daemon starting must not wait on it (it hung, silently)
             self._priorities.levels[0][np.flatnonzero(self.seq[:self.capacity] == 0)] = 0.0
+        if cleared:
+            log.info("%s: %d slots left mid-write by dead writers are marked empty", self.path, cleared)
         try:
             self.enter_unentered(timeout=0.0)  # and re-sums the tree; else the daemon tries again later
         except LockBusy:

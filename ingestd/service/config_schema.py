@@ -386,6 +386,10 @@ class WorkersConfig:
         True, "Refuse a chunk holding NaN or infinity in an observation or any other small float leaf (not "
               "images); false stores them (envs that use inf on purpose). Rewards and actions are always "
               "checked.", Bool())
+    failed_retry_s: float = setting(
+        0.0, "A worker marked failed is started again, with a fresh restart budget, after this long (a "
+             "simulator down for minutes, a flaky cluster); 0 = never (it stays failed until `ingestctl "
+             "restart`).", Float(0.0, or_equal=True), live=True)
     # -- collector features (docs/collector-features.md; TorchRL names in docs/from-torchrl.md) --
     init_random_frames: int = setting(
         0, "Warm-up: until the replay's write_count reaches this, workers act with a uniform random policy "

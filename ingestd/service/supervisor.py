@@ -30,6 +30,7 @@ class RestartPolicy:
     backoff_s: float = 0.1
     backoff_max_s: float = 2.0
     budget: int = 5
+    failed_retry_s: float = 0.0  # a failed worker is started again after this long (0: never)
 
     def backoff(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
@@ -44,6 +45,7 @@ class Slot:
     retiring: bool = False  # asked to stop for good (scale down)
     restarting: bool = False  # asked to stop, then start again (restart command)
     hung: bool = False  # SIGKILLed for a missed heartbeat, not reaped yet (report and kill it once)
+    failed_at: float | None = None  # when it was marked failed (for workers.failed_retry_s)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -145,14 +147,30 @@ class Supervisor:
                 self._check_heartbeat(index, slot, now)
                 if (slot.retiring or slot.restarting) and int(self.stats[index]["desired"]) != Desired.STOP:
                     self.stats[index]["desired"] = Desired.STOP  # a control thread's pause/resume raced the stop
+            if (slot.failed_at is not None and self.policy.failed_retry_s > 0 and slot.process is None
+                    and now - slot.failed_at >= self.policy.failed_retry_s and not slot.retiring):
+                self._retry_failed(index, slot)
             if slot.start_at is not None and now >= slot.start_at and slot.process is None:
                 self._start(index, slot)
             if slot.retiring and slot.process is None:
                 del self.slots[index]
                 self.stats[index]["state"] = State.EMPTY
 
+    def _retry_failed(self, index: int, slot: Slot) -> None:
+        """``workers.failed_retry_s`` after a worker was marked failed: a fresh restart budget
+        (a simulator down for longer than the backoff left workers failed until an operator
+        came; a crash-looping worker is retried this rarely, not every backoff)."""
+        slot.failures, slot.failed_at = 0, None
+        rec = self.stats[index]
+        rec["restarts"] += 1
+        rec["state"], rec["pid"] = State.STARTING, 0
+        slot.start_at = self._clock()
+        log.warning("worker %d: retrying it %.0f s after it was marked failed (workers.failed_retry_s)",
+                    index, self.policy.failed_retry_s)
+        self._on_event("worker.restarted", worker=index, reason="retry after failed", after_s=0.0)
+
     def _start(self, index: int, slot: Slot) -> None:
-        slot.start_at, slot.hung = None, False
+        slot.start_at, slot.hung, slot.failed_at = None, False, None
         self.stats.reset(index)
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
@@ -177,6 +195,7 @@ class Supervisor:
         log.error("worker %d: %s; %d consecutive failure(s)", index, error, slot.failures)
         if slot.failures >= self.policy.budget:
             self.stats[index]["state"], self.stats[index]["pid"] = State.FAILED, 0
+            slot.failed_at = self._clock()
             self._on_event("worker.failed", worker=index, error=error)
             return
         slot.start_at = self._clock() + self.policy.backoff(slot.failures)
@@ -206,6 +225,7 @@ class Supervisor:
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
             rec["state"], rec["pid"] = State.FAILED, 0  # the dead pid may be another process's by now
+            slot.failed_at = now
             log.error("worker %d failed %d times in a row without writing; marked failed: %s",
                       index, slot.failures, error)
             self._on_event("worker.failed", worker=index, error=error)
