@@ -296,17 +296,24 @@ def test_config_default_and_check(tmp_path):
     assert res.returncode == 78 and "workers.count" in res.stderr
 
 
-def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart():
-    """The probe's verdicts, through `ingestd config check` (what `run` checks first): an action
-    of another float dtype, or of as many elements in another shape, passes the action check with
-    a warning (envs may take them, and replays were made so: refusing them broke deployments),
-    and the env decides (Pendulum takes float64 actions, but fails on [B] ones: exit 78 naming
-    workers.env, with the warning and the env's traceback); an error in the env's own step is exit
-    78 with its traceback; a transient one (a simulator server not up yet) keeps exit 1, which
-    systemd retries."""
+@pytest.mark.parametrize("case", ["flat", "float64", "bug", "reset", "transient"])
+def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart(case, caplog):
+    """The probe's verdicts (what `ingestd config check` and `run` check first; in-process, as
+    check_buildable): an action of another float dtype, or of as many elements in another shape,
+    passes the action check with a warning (envs may take them, and replays were made so:
+    refusing them broke deployments), and the env decides (Pendulum takes float64 actions, but
+    fails on [B] ones: exit 78 naming workers.env, with the warning and the env's traceback); an
+    error in the env's own step is exit 78 with its traceback; a transient one (a simulator server
+    not up yet) is not a config error: exit 1, which systemd retries."""
+    import logging
+
+    from ingestd.errors import ConfigError
+    from ingestd.service.config import load_config, resolve_paths
+    from ingestd.service.probe import check_buildable
+
     pendulum = ["workers.env=\"Gym\"", "workers.env_kwargs={id=\"Pendulum-v1\"}",
                 "workers.policy=\"faulty_envs:odd_policy\""]
-    cases = {
+    settings, status, said = {
         "flat": (pendulum + ["workers.policy_kwargs={mode=\"flat\"}"], 78, "float32[1] actions, env Gym's spec says"),
         "float64": (pendulum + ["workers.policy_kwargs={mode=\"float64\"}"], 0, "stored as the policy makes them"),
         "bug": (["workers.env=\"faulty_envs:raising\""], 78, "simulated env failure in step"),
@@ -314,21 +321,23 @@ def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart(
                   "failed to reset: RuntimeError: simulated scene"),
         "transient": (["workers.env=\"faulty_envs:raising\"", "workers.env_kwargs={connection=true}"], 1,
                       "ConnectionRefusedError"),
-    }
-    procs = {case: subprocess.Popen([sys.executable, "-m", "ingestd.service.cli", "config", "check", "/dev/null",
-                                     *[a for s in settings for a in ("--set", s)]],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, **PLUGIN_ENV})
-             for case, (settings, _, _) in cases.items()}
-    for case, proc in procs.items():
-        _, stderr = proc.communicate(timeout=120)
-        _, status, said = cases[case]
-        assert proc.returncode == status and said in stderr, (case, proc.returncode, stderr[-2000:])
-        assert ("Traceback" in stderr) == (case != "float64"), (case, stderr[-2000:])
+    }[case]
+    config = load_config(None, settings)
+    outcome, error = 0, None
+    with caplog.at_level(logging.DEBUG, logger="ingestd"):
+        try:
+            check_buildable(config, resolve_paths(config, os.environ))
+        except ConfigError as exc:
+            outcome, error = 78, exc
+        except Exception as exc:  # what `ingestd config check` lets through: exit 1, with its traceback
+            outcome, error = 1, exc
+    text = f"{caplog.text}\n{type(error).__name__}: {error}" if error else caplog.text
+    assert outcome == status and said in text, (case, outcome, text[-2000:])
+    traceback = outcome == 1 or any(r.exc_info and r.levelno >= logging.ERROR for r in caplog.records)
+    assert traceback == (case != "float64"), (case, text[-2000:])
 
 
-@pytest.mark.parametrize("line,key", [('env = "no_such_package.envs:make"', "workers.env"),
-                                      ("policy_kwargs = { bogus = 1 }", "workers.policy_kwargs")])
+@pytest.mark.parametrize("line,key", [('env = "no_such_package.envs:make"', "workers.env")])
 def test_config_check_refuses_what_run_would_refuse(line, key, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(f"[workers]\n{line}\n")
@@ -449,10 +458,13 @@ def test_a_second_daemon_on_the_same_replay_is_refused(tmp_path):
         assert first.stop() == 0
 
 
-# Config errors found only once the daemon starts, each run as `ingestd run` with `{tmp}` a fresh
-# directory: case -> (settings, text the message must name, text explaining why). Each process
-# imports torch (~6 s of CPU), so the module runs them all at once (``startup_failures``).
-STARTUP_FAILURES = {
+# Config errors found only once the daemon starts: case -> (settings, text the message must
+# name, text explaining why). The probe's verdicts (PROBE_FAILURES) are checked in-process
+# through check_buildable, what `ingestd run` calls first (each `ingestd run` costs a torch
+# import, ~6 s of CPU); STARTUP_FAILURES run as `ingestd run` with `{tmp}` a fresh directory:
+# the paths, the hangs (the deadline exits the process) and one failure in user code, whose
+# traceback must reach stderr before exit 78.
+PROBE_FAILURES = {
     # wrong only once the daemon resolves the factories
     "env path": (['workers.env="no_such_package.envs:make"'], "workers.env", ""),
     "env kwargs": (["workers.env_kwargs.bogus=1"], "workers.env_kwargs", ""),
@@ -468,26 +480,32 @@ STARTUP_FAILURES = {
                            'workers.policy="faulty_envs:odd_policy"', f'workers.policy_kwargs={{mode="{mode}"}}'],
                           "workers.policy", why)
        for mode, why in (("wide", "float32[1, 2] actions, but env Gym takes float32[1, 1]"),
-                         ("int64", "int64[1, 1] actions"), ("key", "no 'action' tensor"),
-                         ("raise", "simulated policy failure"))},
+                         ("int64", "int64[1, 1] actions"), ("key", "no 'action' tensor"))},
     "env step": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", g="heavy"}',
                   'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="fits"}'],
                  "workers.env", "failed stepping"),
-    # a constructor that fails for good (was exit 1, which systemd retried) or hangs (hung `run` for ever)
+    # a constructor that fails for good (was exit 1, which systemd retried)
     "env constructor raises": (['workers.env="faulty_envs:failing_constructor"'], "workers.env",
                                "RuntimeError: simulated scene file missing"),
-    "env constructor hangs": (['workers.env="faulty_envs:hanging_build"', "workers.start_timeout_s=1"],
-                              "workers.env", "building env faulty_envs:hanging_build did not finish within"),
-    "policy hangs": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
-                      'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="hang"}',
-                      "workers.start_timeout_s=1"], "workers.policy", "first action did not finish within"),
     "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
                        "NoSuchEnv"),
     "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",
                            "observation space"),
     "step limit": (['workers.env="faulty_envs:raising"', "workers.env_kwargs={only_worker=1}",
                     "workers.max_episode_steps=10"], "workers.max_episode_steps", "TorchEnv"),
-    # paths, found before torch's import: grouped, so their batches of failed_starts end at once
+}
+STARTUP_FAILURES = {
+    # an error in the user's code: its traceback in the log, then the one-line reason
+    "policy raise": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
+                      'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="raise"}'],
+                     "workers.policy", "simulated policy failure"),
+    # a constructor or policy that hangs (hung `run` for ever): the probe's deadline
+    "env constructor hangs": (['workers.env="faulty_envs:hanging_build"', "workers.start_timeout_s=1"],
+                              "workers.env", "building env faulty_envs:hanging_build did not finish within"),
+    "policy hangs": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
+                      'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="hang"}',
+                      "workers.start_timeout_s=1"], "workers.policy", "first action did not finish within"),
+    # paths, found before torch's import
     "ipc path too long": (['service.runtime_dir="{tmp}/' + "r" * 110 + '"'], "control.address", ""),
     # a directory that cannot be created ({tmp}/a-file is a file)
     **{f"{key} under a file": ([f'{key}="{{tmp}}/a-file/dir"'], key, "cannot create")
@@ -519,6 +537,28 @@ def startup_failures(tmp_path_factory):
                 *(setting.replace("{tmp}", str(tmp)) for setting in settings)]
         cases[case] = ([], args, None, tmp)
     yield from failed_starts(cases, PLUGIN_ENV)
+
+
+@pytest.mark.parametrize("case", PROBE_FAILURES)
+def test_the_start_up_probe_names_the_key_and_logs_tracebacks_of_user_code_only(case, tmp_path, caplog):
+    import logging
+
+    from ingestd.errors import ConfigError
+    from ingestd.service.config import load_config, resolve_paths
+    from ingestd.service.probe import check_buildable
+
+    settings, named, why = PROBE_FAILURES[case]
+    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
+                                *settings])
+    with caplog.at_level(logging.DEBUG, logger="ingestd"), pytest.raises(ConfigError) as err:
+        check_buildable(config, resolve_paths(config, os.environ))
+    message = str(err.value)  # as `ingestd run` logs it
+    assert named in message and why in message, message
+    # a failure inside the user's env or policy code keeps its traceback (in the log, before the
+    # one-line reason); a value the config got wrong needs none
+    logged = any(r.exc_info and r.levelno >= logging.ERROR for r in caplog.records)
+    assert logged == (case in FAILED_FIRST_STEP), caplog.text
+    assert not (tmp_path / "data").exists(), "nothing may be created before the config is valid"
 
 
 @pytest.mark.parametrize("case", STARTUP_FAILURES)
