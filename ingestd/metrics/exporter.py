@@ -53,12 +53,7 @@ class MetricsExporter:
         try:
             self._server, self._thread = serve(host, port, self.registry)
         except OSError as exc:
-            fault = _bind_failure(exc.errno, port)
-            if fault is None:  # not the config's fault (EMFILE, ENOMEM, a DNS lookup that failed for now)
-                raise
-            key, hint = fault
-            raise ConfigError(key, f"cannot serve metrics on {_url(host, port)}: {exc.strerror or exc}; "
-                                   f"{hint}") from exc
+            _raise_bind_failure(exc, host, port)
         bound_host, bound_port = self.address
         log.info("serving metrics on %s/metrics", _url(bound_host, bound_port))
         if bound_host in ("0.0.0.0", "::"):
@@ -153,6 +148,28 @@ def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[_Server, t
 _ADDRESS_FAULTS = frozenset(code for code in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL,
                                               socket.EAI_NONAME, getattr(socket, "EAI_ADDRFAMILY", None),
                                               getattr(socket, "EAI_NODATA", None)) if code is not None)
+
+
+def check_bindable(settings) -> None:
+    """Bind the metrics address once and let it go, before the seconds of start-up: an address
+    not on this host, a privileged or taken port is a config error now (``ingestd run`` calls it
+    before importing torch; the real bind later reports the same errors)."""
+    host, port = settings.address, settings.port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as exc:
+        _raise_bind_failure(exc, host, port)
+
+
+def _raise_bind_failure(exc: OSError, host: str, port: int):
+    fault = _bind_failure(exc.errno, port)
+    if fault is None:  # not the config's fault (EMFILE, ENOMEM, a DNS lookup that failed for now)
+        raise exc
+    key, hint = fault
+    raise ConfigError(key, f"cannot serve metrics on {_url(host, port)}: {exc.strerror or exc}; {hint}") from exc
 
 
 def _bind_failure(code: int | None, port: int) -> tuple[str, str] | None:

@@ -144,6 +144,10 @@ def _main(argv: list[str] | None) -> int:
         from ingestd.service.instance import claim_instance
 
         claim = claim_instance(cfg.resolve_paths(config, os.environ))
+        if config.metrics.enabled:
+            from ingestd.metrics.exporter import check_bindable
+
+            check_bindable(config.metrics)
         from ingestd.service.daemon import Daemon
         from ingestd.service.services import default_services
 
