@@ -83,8 +83,10 @@ def status_load(address: str, rate: float, start: float, window: float, rounds: 
     try:
         for k in range(rounds):
             t0, t1 = start + (2 * k + 1) * window, start + (2 * k + 2) * window
-            n, cpu0 = 0, time.process_time()
-            while (due := t0 + n / rate) < t1:
+            cpu0 = time.process_time()
+            # the count, fixed up front: `t0 + n / rate < t1` let floating-point rounding add one
+            for n in range(round((t1 - t0) * rate)):
+                due = t0 + n / rate
                 now = time.monotonic()
                 if due > now:
                     time.sleep(due - now)
@@ -93,7 +95,6 @@ def status_load(address: str, rate: float, start: float, window: float, rounds: 
                 latency.append(time.monotonic() - sent)
                 late.append(sent - due)
                 in_window += sent < t1
-                n += 1
             cpu += time.process_time() - cpu0
     finally:
         probe.close()

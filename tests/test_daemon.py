@@ -236,6 +236,20 @@ def test_a_worker_whose_env_build_hangs_is_restarted_as_hung_after_the_start_tim
         assert d.stop() == 0
 
 
+def test_a_hung_worker_dumps_its_stacks_before_it_is_killed():
+    """SAC review: "hung: no heartbeat for 3.0 s" said nothing of where it hung. The supervisor
+    now has faulthandler write every thread's stack to the log first."""
+    overrides = {"workers.env": "faulty_envs:slow_steps", "workers.env_kwargs": {"step_s": 5.0},
+                 "workers.policy": "Random", "workers.count": 1, "workers.heartbeat_timeout_s": 1.0}
+    with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        wait_for(lambda: "event worker.hung" in d.log(), 60, "the worker to be found hung")
+        wait_for(lambda: "event worker.died" in d.log(), 10, "the hung worker to be killed")
+        log = d.log()
+        assert "faulty_envs.py" in log and "in fault" in log, log[-3000:]  # the stack shows where
+        assert "'exitcode': -9" in log, log[-3000:]  # then SIGKILLed
+        assert d.stop() == 0
+
+
 def test_a_chunk_slower_than_the_heartbeat_timeout_is_not_taken_for_a_hang():
     """Workers beat only between chunks: a chunk of slow steps (a simulator, a large policy)
     longer than heartbeat_timeout_s got its worker killed as hung before it wrote anything,

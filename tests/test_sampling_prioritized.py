@@ -380,14 +380,18 @@ def _writer(path, worker, stop):
 
 def _trainer(path, stop, out):
     errors = updates = samples = 0
-    with ReplayReader(path, seed=5, sampler="prioritized", alpha=0.7) as r:
-        rng = np.random.default_rng(0)
-        while not stop.value:
-            s = r.sample(128)
-            samples += 1
-            wi, idx = s["ingestd", "write_index"].numpy(), s["ingestd", "index"].numpy()
-            errors += int((wi % r.capacity != idx).sum()) + int((s["ingestd", "weight"] <= 0).sum())
-            updates += r.update_priorities(s, rng.uniform(0.1, 5.0, 128))
+    try:  # numpy only on the samples: no torch op in a forked child
+        with ReplayReader(path, seed=5, sampler="prioritized", alpha=0.7) as r:
+            rng = np.random.default_rng(0)
+            while not stop.value:
+                s = r.sample(128, timeout=5.0)  # a 512-slot ring two writers lap: a draw may find none
+                samples += 1
+                wi, idx = s["ingestd", "write_index"].numpy(), s["ingestd", "index"].numpy()
+                errors += int((wi % r.capacity != idx).sum()) + int((s["ingestd", "weight"].numpy() <= 0).sum())
+                updates += r.update_priorities(s, rng.uniform(0.1, 5.0, 128))
+    except BaseException as exc:  # said, rather than a queue that stays empty
+        out.put(repr(exc))
+        raise
     out.put((errors, updates, samples))
 
 
@@ -403,7 +407,9 @@ def test_stress_two_writers_and_a_trainer(shm_dir):
     try:
         time.sleep(2.0)
         stop.value = 1
-        errors, updates, samples = out.get(timeout=20)
+        got = out.get(timeout=20)
+        assert isinstance(got, tuple), f"the trainer failed: {got}"
+        errors, updates, samples = got
     finally:
         stop.value = 1
         for p in procs:

@@ -8,6 +8,7 @@ chunk in flight has been written: a pause never drops data.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -94,6 +95,9 @@ def _child_setup() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # the supervisor sends SIGUSR1 to a worker it found hung, just before it kills it: every
+    # thread's Python stack goes to stderr (the journal), saying where it hung
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.nice(WORKER_NICE)  # collectors yield to the daemon's control thread and to trainers
     try:
         libc = ctypes.CDLL(None, use_errno=True)

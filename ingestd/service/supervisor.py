@@ -21,6 +21,7 @@ from ingestd.collect.worker import WorkerSpec, worker_main
 from ingestd.service.forking import ForkContext
 
 log = logging.getLogger("ingestd.supervisor")
+HANG_DUMP_S = 0.2  # a hung worker gets this long to write its stacks before SIGKILL
 EventSink = Callable[..., None]
 
 
@@ -44,7 +45,8 @@ class Slot:
     start_at: float | None = None  # pending (re)start time
     retiring: bool = False  # asked to stop for good (scale down)
     restarting: bool = False  # asked to stop, then start again (restart command)
-    hung: bool = False  # SIGKILLed for a missed heartbeat, not reaped yet (report and kill it once)
+    hung: bool = False  # found hung (missed heartbeat), not reaped yet (report and kill it once)
+    kill_at: float | None = None  # a hung worker is SIGKILLed then, once it has dumped its stacks
     failed_at: float | None = None  # when it was marked failed (for workers.failed_retry_s)
 
 
@@ -170,7 +172,7 @@ class Supervisor:
         self._on_event("worker.restarted", worker=index, reason="retry after failed", after_s=0.0)
 
     def _start(self, index: int, slot: Slot) -> None:
-        slot.start_at, slot.hung, slot.failed_at = None, False, None
+        slot.start_at, slot.hung, slot.failed_at, slot.kill_at = None, False, None, None
         self.stats.reset(index)
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
@@ -242,16 +244,22 @@ class Supervisor:
         worker's clock: they may have been blocked (not beating) on the storage lock or slots the
         killed one held, which its death releases; a worker that is really hung too is killed one
         timeout later."""
+        if slot.hung:
+            if slot.kill_at is not None and now >= slot.kill_at:
+                slot.kill_at = None
+                _kill(slot.process.pid, signal.SIGKILL)
+            return
         beat = float(self.stats[index]["heartbeat"])
-        if now - max(beat, self._last_hang_kill) > self.policy.heartbeat_timeout_s and not slot.hung:
+        if now - max(beat, self._last_hang_kill) > self.policy.heartbeat_timeout_s:
             age = now - beat
             slot.hung = True
             self._last_hang_kill = now
-            log.warning("worker %d (pid %d) missed its heartbeat for %.1f s; killing it",
-                        index, slot.process.pid, age)
+            log.warning("worker %d (pid %d) missed its heartbeat for %.1f s; killing it (its threads' stacks "
+                        "follow, from faulthandler)", index, slot.process.pid, age)
             self.stats.set_error(index, f"hung: no heartbeat for {age:.1f} s")
             self._on_event("worker.hung", worker=index, heartbeat_age_s=round(age, 3))
-            _kill(slot.process.pid, signal.SIGKILL)
+            _kill(slot.process.pid, signal.SIGUSR1)  # the stacks to stderr (worker_main registers it) ...
+            slot.kill_at = now + HANG_DUMP_S  # ... then SIGKILL at a tick after that
 
     @staticmethod
     def _alive(slot: Slot) -> bool:
