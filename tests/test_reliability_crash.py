@@ -1,5 +1,5 @@
 """Reliability, the daemon itself: SIGKILL mid-collection and restart on the same config
-(five times, replay on a disk path), and SIGTERM while a push or a pause is in flight.
+(four times, replay on a disk path), and SIGTERM while a push or a pause is in flight.
 Also checks that the storage oracle of the suite (``check_integrity``) catches what it must."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ingestd.errors import CommandFailed
 from ingestd.replay import ReplayReader, ReplayStorage
 from reliability_util import PLUGIN_ENV, alive, check_integrity, read_storage, record, wait_for
 
-LOOPS = 5  # each loop starts a daemon (torch import, workers): ~8 s
+LOOPS = 4  # each loop starts a daemon (torch import, workers): ~8 s
 
 
 class RestartableDaemon(DaemonProc):
