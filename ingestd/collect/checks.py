@@ -26,7 +26,6 @@ from tensordict import TensorDictBase
 from ingestd.collect.interfaces import EnvSpec
 from ingestd.errors import EnvFault
 
-ACTION_BOUNDS = ("refuse", "clip", "off")
 SMALL_ROW_BYTES = 64 << 10  # leaves this large per row (images) are not scanned for NaN
 _REWARD = ("next", "reward")
 # float actions may pass a bound by rounding (loc + scale * tanh(x)): this much is not "outside"
@@ -93,17 +92,22 @@ class ClippedActions:
         return td
 
 
+def acting_policy(policy, spec: EnvSpec, checks: RowChecks):
+    """The policy the rollout acts with: ``policy``, or clipped into the env's bounds
+    (``workers.action_bounds = "clip"`` on an env that has bounds)."""
+    return ClippedActions(policy, spec) if checks.bounds == "clip" and checks.low is not None else policy
+
+
 def scanned(key, leaf: torch.Tensor) -> bool:
     """Whether ``check_finite`` scans this leaf of rows (beyond the action and the reward)."""
     return (key != "action" and key != _REWARD and isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
             and leaf[:1].numel() * leaf.element_size() < SMALL_ROW_BYTES)
 
 
-def check_rows(rows: TensorDictBase, checks: RowChecks | None = None, floats: list | None = None) -> None:
+def check_rows(rows: TensorDictBase, checks: RowChecks, floats: list) -> None:
     """Refuse a chunk that must never be stored (``EnvFault``; see the module's docstring).
-    ``floats``: the ``(key, leaf)`` pairs of ``rows`` that :func:`scanned` picks, if the
-    caller knows them (the rollout does, once per buffer layout)."""
-    checks = checks or _DEFAULT
+    ``floats``: the ``(key, leaf)`` pairs of ``rows`` that :func:`scanned` picks (the rollout
+    knows them, once per buffer layout)."""
     action = rows.get("action", None)
     if isinstance(action, torch.Tensor):
         _check_action(rows, action, checks)
@@ -113,8 +117,6 @@ def check_rows(rows: TensorDictBase, checks: RowChecks | None = None, floats: li
     _check_finite(rows, reward, "the env returned a non-finite reward", "fix the env")
     if not checks.finite:
         return
-    if floats is None:
-        floats = [(k, v) for k, v in rows.items(include_nested=True, leaves_only=True) if scanned(k, v)]
     for key, leaf in floats:
         _check_finite(rows, leaf, f"the env returned a non-finite {key!r}",
                       "fix the env, or set workers.check_finite = false to store such values")
@@ -198,5 +200,3 @@ def _where(rows: TensorDictBase, row: int) -> str:
 def _bound(value: float, action: torch.Tensor) -> str:
     return f"{value:g}" if action.is_floating_point() else str(int(value))
 
-
-_DEFAULT = RowChecks()

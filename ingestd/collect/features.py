@@ -240,15 +240,13 @@ class ChunkExtras:
 
     def __init__(self, spec, env, policy, seeds: Seeds, rec, beat: Callable[[], None]):
         """``beat``: the worker's heartbeat (kept going while a compiled policy compiles)."""
-        from ingestd.collect.checks import ClippedActions, RowChecks
+        from ingestd.collect.checks import RowChecks, acting_policy
         from ingestd.collect.nstep import NStep
         from ingestd.collect.profiling import ProfileRequests
 
         self.env = StepLimit(env, spec.max_episode_steps) if spec.max_episode_steps > 0 else env
-        self.acting = compiled(policy, beat) if spec.compile_policy else policy
         self.checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
-        if spec.action_bounds == "clip" and self.checks.low is not None:
-            self.acting = ClippedActions(self.acting, env.spec)
+        self.acting = acting_policy(compiled(policy, beat) if spec.compile_policy else policy, env.spec, self.checks)
         self.schedule = Schedule(spec.init_random_frames, spec.total_frames)
         self.random = random_policy(env.spec, seeds.policy ^ 0x5EED) if spec.init_random_frames > 0 else None
         self.nstep = NStep(spec.n_step, spec.gamma, env.num_envs) if spec.n_step > 1 else None

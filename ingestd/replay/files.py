@@ -157,13 +157,21 @@ def write_new(path: Path, data: bytes, mode: int = 0o640) -> None:
         os.close(fd)
 
 
-def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, also_needed: int = 0) -> None:
+REPLAY_FILES = ("header.bin", "data.bin")  # what ``allocate`` creates
+
+
+def replay_bytes(schema: dict[Key, Leaf], capacity: int) -> int:
+    """What ``allocate`` allocates: the header and data files."""
+    return header_bytes(capacity) + plan_layout(schema, capacity).data_bytes
+
+
+def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, need: int) -> None:
     """Create the header and data files with every block allocated (meta.json comes last).
 
     Allocating up front turns a full tmpfs or disk into a clear error here, instead of a
     SIGBUS in whichever worker first touches an unbacked page of a sparse file.
-    ``also_needed``: bytes the storage's other files take (its priority tree), in the message."""
-    sizes = {"header.bin": header_bytes(capacity), "data.bin": plan_layout(schema, capacity).data_bytes}
+    ``need``: the bytes the whole storage takes (its priority tree too), for the message."""
+    sizes = dict(zip(REPLAY_FILES, (header_bytes(capacity), plan_layout(schema, capacity).data_bytes)))
     try:
         for name, size in sizes.items():
             allocate_file(path / name, size)
@@ -171,7 +179,7 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, also_needed: in
         for name in sizes:
             (path / name).unlink(missing_ok=True)
         if exc.errno in NO_ROOM:
-            raise no_room(path, capacity, sum(sizes.values()) + also_needed, exc) from exc
+            raise no_room(path, capacity, need, exc) from exc
         raise
     header = np.memmap(path / "header.bin", dtype=np.int64, mode="r+", shape=(HEADER_WORDS + capacity,))
     header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity
@@ -179,10 +187,11 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, also_needed: in
     del header
 
 
-def no_room(path: Path, capacity: int, need: int, exc: OSError) -> StorageFull:
+def no_room(path: Path, capacity: int, need: int, exc: OSError | None) -> StorageFull:
     """The error for a replay that does not fit where it is to be created."""
-    return StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB with its "
-                       f"priority tree ({getattr(exc, 'strerror', None) or 'No space left on device'}); lower replay.capacity or choose a replay.path with space. If "
+    why = getattr(exc, "strerror", None) or os.strerror(errno.ENOSPC)
+    return StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB with "
+                       f"its priority tree ({why}); lower replay.capacity or choose a replay.path with space. If "
                        f"the files there do not account for the space in use, processes may still map a removed "
                        f"replay (a trainer attached before a restart): `lsof +L1 {path.parent}` lists them")
 

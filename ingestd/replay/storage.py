@@ -175,14 +175,14 @@ class ReplayStorage(MappedStore):
                 raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open")
             if any(p.name not in files.CREATION_FILES for p in path.iterdir()):
                 raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
-            files.allocate(path, schema, capacity, also_needed=priority.file_bytes(capacity))
+            need = files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
+            files.allocate(path, schema, capacity, need)
             try:  # the tree too, before meta.json: a storage that does not fit leaves nothing behind
                 PriorityTree.attach(path, capacity).close()
             except StorageFull as exc:
-                for name in ("header.bin", "data.bin"):
+                for name in files.REPLAY_FILES:
                     (path / name).unlink(missing_ok=True)
-                raise files.no_room(path, capacity, files.header_bytes(capacity) + files.plan_layout(
-                    schema, capacity).data_bytes + priority.file_bytes(capacity), exc.__cause__) from exc
+                raise files.no_room(path, capacity, need, exc.__cause__) from exc
             files.write_meta(path, schema, capacity)
         finally:
             os.close(fd)
@@ -255,8 +255,7 @@ class ReplayStorage(MappedStore):
                         cleared += 1
         if cleared:  # lock-free, as a writer's vacate: a trainer stopped inside update_priorities
             # holds priority.lock, and a daemon starting must not wait on it (it hung, silently)
-            self._priorities.levels[0][np.flatnonzero(self.seq[:self.capacity] == 0)] = 0.0
-        if cleared:
+            self._priorities.levels[0][np.flatnonzero(self.seq == 0)] = 0.0
             log.info("%s: %d slots left mid-write by dead writers are marked empty", self.path, cleared)
         try:
             self.enter_unentered(timeout=0.0)  # and re-sums the tree; else the daemon tries again later

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ingestd.collect.checks import ClippedActions, RowChecks, check_action
+from ingestd.collect.checks import RowChecks, acting_policy, check_action
 from ingestd.collect.features import check_device, ticking
 from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout
@@ -102,7 +102,7 @@ def _example_rows(spec: WorkerSpec, seed: int):
         if spec.init_random_frames > 0:
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
         checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
-        acting = ClippedActions(policy, env.spec) if spec.action_bounds == "clip" and checks.low is not None else policy
+        acting = acting_policy(policy, env.spec, checks)
         rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
                            lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks),
                            doing=f"env {spec.env}'s first reset")

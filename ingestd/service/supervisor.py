@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from ingestd.collect.stats import MAX_WORKERS, Desired, State, StatsBlock
@@ -110,11 +110,9 @@ class Supervisor:
         for index in chosen:
             slot = self.slots[index]
             slot.failures = 0
-            if self.stats.state(index) == State.FAILED or not self._alive(slot):
-                if self.stats.state(index) == State.FAILED:  # a start after giving up: counted like any
-                    self.stats[index]["restarts"] += 1
-                    self.stats[index]["requested_restarts"] += 1
-                    self.stats[index]["state"] = State.STARTING
+            if self.stats.state(index) == State.FAILED:
+                self._start_over(index, slot, "requested")
+            elif not self._alive(slot):
                 slot.start_at = self._clock()
                 self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             else:
@@ -151,25 +149,35 @@ class Supervisor:
                     self.stats[index]["desired"] = Desired.STOP  # a control thread's pause/resume raced the stop
             if (slot.failed_at is not None and self.policy.failed_retry_s > 0 and slot.process is None
                     and now - slot.failed_at >= self.policy.failed_retry_s and not slot.retiring):
-                self._retry_failed(index, slot)
+                log.warning("worker %d: retrying it %.0f s after it was marked failed (workers.failed_retry_s)",
+                            index, self.policy.failed_retry_s)
+                self._start_over(index, slot, "retry after failed")
             if slot.start_at is not None and now >= slot.start_at and slot.process is None:
                 self._start(index, slot)
             if slot.retiring and slot.process is None:
                 del self.slots[index]
                 self.stats[index]["state"] = State.EMPTY
 
-    def _retry_failed(self, index: int, slot: Slot) -> None:
-        """``workers.failed_retry_s`` after a worker was marked failed: a fresh restart budget
-        (a simulator down for longer than the backoff left workers failed until an operator
-        came; a crash-looping worker is retried this rarely, not every backoff)."""
+    def _start_over(self, index: int, slot: Slot, reason: str) -> None:
+        """Start a failed worker again with a fresh restart budget, counted like any restart:
+        asked for (``restart``), or ``workers.failed_retry_s`` after it was marked failed (a
+        simulator down for longer than the backoff left workers failed until an operator came;
+        a crash-looping worker is retried this rarely, not every backoff)."""
         slot.failures, slot.failed_at = 0, None
         rec = self.stats[index]
         rec["restarts"] += 1
+        if reason == "requested":
+            rec["requested_restarts"] += 1
         rec["state"], rec["pid"] = State.STARTING, 0
         slot.start_at = self._clock()
-        log.warning("worker %d: retrying it %.0f s after it was marked failed (workers.failed_retry_s)",
-                    index, self.policy.failed_retry_s)
-        self._on_event("worker.restarted", worker=index, reason="retry after failed", after_s=0.0)
+        self._on_event("worker.restarted", worker=index, reason=reason, after_s=0.0)
+
+    def _mark_failed(self, index: int, slot: Slot, error: str) -> None:
+        """Past the restart budget: no more restarts (``workers.failed_retry_s`` aside). No pid:
+        the dead one may be another process's by now."""
+        self.stats[index]["state"], self.stats[index]["pid"] = State.FAILED, 0
+        slot.failed_at = self._clock()
+        self._on_event("worker.failed", worker=index, error=error)
 
     def _start(self, index: int, slot: Slot) -> None:
         slot.start_at, slot.hung, slot.failed_at, slot.kill_at = None, False, None, None
@@ -196,9 +204,7 @@ class Supervisor:
         self.stats.set_error(index, error)
         log.error("worker %d: %s; %d consecutive failure(s)", index, error, slot.failures)
         if slot.failures >= self.policy.budget:
-            self.stats[index]["state"], self.stats[index]["pid"] = State.FAILED, 0
-            slot.failed_at = self._clock()
-            self._on_event("worker.failed", worker=index, error=error)
+            self._mark_failed(index, slot, error)
             return
         slot.start_at = self._clock() + self.policy.backoff(slot.failures)
 
@@ -226,11 +232,9 @@ class Supervisor:
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
-            rec["state"], rec["pid"] = State.FAILED, 0  # the dead pid may be another process's by now
-            slot.failed_at = now
             log.error("worker %d failed %d times in a row without writing; marked failed: %s",
                       index, slot.failures, error)
-            self._on_event("worker.failed", worker=index, error=error)
+            self._mark_failed(index, slot, error)
             return
         rec["restarts"] += 1
         # starting again after the backoff; until then status must not show the dead process as
