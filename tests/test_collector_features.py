@@ -458,6 +458,21 @@ def test_daemon_collects_with_a_compiled_policy_and_pushed_weights_reach_it():
         assert int(mine.sum()) >= 4 * CHUNK and bool((action[mine] == expected).all()), version
 
 
+def test_compiling_keeps_the_heartbeat_while_torch_compile_imports_its_backend():
+    """torch.compile itself imports inductor before any call (5-10 s on a cold CI machine): a
+    worker that beat only during the first call was killed as hung 5 times, then failed."""
+    from ingestd.collect.features import compiled
+
+    beats = []
+
+    def slow_compile(module, dynamic):
+        time.sleep(0.35)
+        return module
+    policy = compiled(torch.nn.Linear(2, 2), beat=lambda: beats.append(1), compile_fn=slow_compile, every_s=0.05)
+    assert len(beats) >= 3
+    assert isinstance(policy.fn, torch.nn.Linear)
+
+
 def test_compiled_policy_keeps_the_heartbeat_during_its_first_call():
     from ingestd.collect.features import KeepaliveFirstCall
 

@@ -166,17 +166,20 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def compiled(policy, beat=None):
+def compiled(policy, beat=None, *, compile_fn=None, every_s: float = 0.5):
     """``torch.compile`` of a module policy's forward (the module itself keeps receiving weights).
 
     Compiling happens in the first call and can take a minute on a small CPU; ``beat()`` (the
     worker's heartbeat) is called from a helper thread meanwhile so the supervisor does not
-    take the worker for hung."""
+    take the worker for hung. ``torch.compile`` itself imports the inductor backend (5-10 s on
+    a cold machine, past the heartbeat timeout): it runs under the same keepalive."""
     if not isinstance(policy, torch.nn.Module):
         log.warning("workers.compile_policy: %s is not a torch.nn.Module; running it uncompiled",
                     type(policy).__name__)
         return policy
-    return KeepaliveFirstCall(torch.compile(policy, dynamic=False), beat)
+    compile_fn = compile_fn or torch.compile
+    with keepalive(beat, every_s) if beat is not None else contextlib.nullcontext():
+        return KeepaliveFirstCall(compile_fn(policy, dynamic=False), beat, every_s)
 
 
 class KeepaliveFirstCall:

@@ -1,0 +1,207 @@
+"""The machine's own floors under the speed targets ingestd does not meet; prints JSON.
+
+    flock /tmp/ingestd-bench.lock python benchmarks/bench_floors.py [--seconds 1.5] [--rounds 5]
+
+Each figure is work that any implementation of the target must do, measured here with no
+ingestd code on its path (or only the unavoidable part of it), so the ceiling it implies
+can be set beside the target:
+
+- ``pixel_gather``: one thread copying 256 random 28,224-byte rows (a 4x84x84 uint8
+  observation) out of a /dev/shm memmap ring into a fresh output, twice per call (the
+  observation and the next observation of a TorchRL-layout row), as ``sample(256)`` of
+  pixel rows must. Its rate is the ceiling of ``sample(256)`` on one core before any
+  seqlock check or TensorDict (issue 2's target: 1,000 calls/s).
+- ``pixels_store``: the bare in-process Pixels loop (64 envs, Random policy: what
+  ``bench_efficiency`` calls the limit) against the same loop plus one memcpy of each
+  step's observation and next observation into a /dev/shm ring, which storing a
+  TorchRL-layout row needs at the least. Their ratio is the ceiling of the Pixels worker
+  efficiency (issue 3's target: 0.9), before stamps, seqlocks or bookkeeping.
+- ``sample_batch_objects``: what a ``sample(256)`` returning a new TensorDict pays for its
+  objects alone, with no rows copied: the 16 leaf tensors of a CartPole row, viewed out
+  of 4 numpy blocks, and the 3 nested TensorDicts (tensordict's unchecked constructor),
+  beside a ``sample(256, out=batch)`` of the same storage (which makes no object). Their
+  sum bounds ``sample(256)`` with a new TensorDict (issue 2's target: 20,000 calls/s).
+
+Rates are per CPU second of this process (``process_time``), which other load on a shared
+VM disturbs less than wall time; each is the median of ``--rounds`` windows. The ZeroMQ
+floor of issue 4's status target has its own benchmark, ``bench_zmq_floor.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_env_loop import CASES  # noqa: E402
+
+PIXEL_ROW = 4 * 84 * 84  # bytes of one uint8 observation
+TARGETS = {"pixel_sample_256_calls_per_s": 1000, "pixels_efficiency": 0.9, "cartpole_sample_256_calls_per_s": 20000}
+
+
+def per_cpu_second(step: Callable[[], int], seconds: float, rounds: int) -> float:
+    """Median over ``rounds`` windows of the units ``step`` does per CPU second."""
+    step()  # warm
+    rates = []
+    for _ in range(rounds):
+        c0, units = time.process_time(), 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            units += step()
+        rates.append(units / max(time.process_time() - c0, 1e-9))
+    return statistics.median(rates)
+
+
+def ring(workdir: str, name: str, rows: int, row_bytes: int) -> np.ndarray:
+    """A ``[rows, row_bytes]`` uint8 memmap in ``workdir`` with every page faulted in."""
+    ring = np.memmap(os.path.join(workdir, name), dtype=np.uint8, mode="w+", shape=(rows, row_bytes))
+    ring[:] = 1
+    return ring
+
+
+def pixel_gather(workdir: str, seconds: float, rounds: int) -> dict:
+    rows = 32768  # 925 MB: far past the caches, as a replay is
+    source = ring(workdir, "pixels.bin", rows, PIXEL_ROW)
+    rng = np.random.default_rng(0)
+
+    def call() -> int:
+        for _ in range(2):  # observation and next observation
+            np.take(source, rng.integers(0, rows, 256), axis=0)
+        return 1
+    calls = per_cpu_second(call, seconds, rounds)
+    return {"calls_per_cpu_s": round(calls, 1), "bytes_per_call": 2 * 256 * PIXEL_ROW,
+            "gigabytes_per_cpu_s": round(calls * 2 * 256 * PIXEL_ROW / 1e9, 2),
+            "target_calls_per_s": TARGETS["pixel_sample_256_calls_per_s"]}
+
+
+def pixels_store(workdir: str, seconds: float, rounds: int) -> dict:
+    env, policy = CASES["pixels_random"].build()
+    n = env.num_envs
+    slots = 256  # steps of the ring: 64 envs x 2 leaves x 28 KB each = 0.9 GB
+    dest = ring(workdir, "store.bin", slots * 2, n * PIXEL_ROW)
+    state = {"root": env.reset(), "slot": 0}
+
+    def bare() -> int:
+        _, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+        return n
+
+    def stored() -> int:
+        transition, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+        s = state["slot"] = (state["slot"] + 2) % (2 * slots)
+        np.copyto(dest[s], transition["observation"].numpy().reshape(-1))
+        np.copyto(dest[s + 1], transition["next", "observation"].numpy().reshape(-1))
+        return n
+    try:
+        rates = {"bare": [], "stored": []}
+        for _ in range(rounds):  # in alternation: the VM's speed drifts
+            rates["bare"].append(per_cpu_second(bare, seconds, 1))
+            rates["stored"].append(per_cpu_second(stored, seconds, 1))
+    finally:
+        env.close()
+    bare_rate, stored_rate = statistics.median(rates["bare"]), statistics.median(rates["stored"])
+    return {"bare_frames_per_cpu_s": round(bare_rate), "with_two_copies_frames_per_cpu_s": round(stored_rate),
+            "efficiency_ceiling": round(stored_rate / bare_rate, 3), "target": TARGETS["pixels_efficiency"]}
+
+
+def cartpole_batch(n: int) -> TensorDict:
+    obs = torch.zeros(n, 4)
+    flags = {f: torch.zeros(n, 1, dtype=torch.bool) for f in ("done", "terminated", "truncated")}
+    stamps = {f: torch.zeros(n, dtype=torch.int64) for f in ("worker", "env", "episode", "step", "policy_version")}
+    return TensorDict({"observation": obs, "action": torch.zeros(n, dtype=torch.int64), **flags,
+                       "next": {"observation": obs.clone(), "reward": torch.zeros(n, 1), **flags},
+                       "ingestd": stamps}, batch_size=[n])
+
+
+def sample_batch_objects(workdir: str, seconds: float, rounds: int) -> dict:
+    from ingestd.replay import ReplayReader, ReplayStorage
+
+    storage = ReplayStorage.create(os.path.join(workdir, "cartpole"), cartpole_batch(256), 1 << 20)
+    rows = cartpole_batch(4096)
+    for _ in range(64):
+        storage.write(rows)
+    reader = ReplayReader(os.path.join(workdir, "cartpole"), seed=0)
+    records, seq = reader._records, reader.seq  # the storage's own memory: the record ring and the seqlocks
+    new = TensorDict._new_unsafe
+    size = torch.Size([256])
+    # the sample's leaves by dtype and shape: float [4] x2, int64 x7 (action, 6 stamps), bool x6, float x1
+    blocks = [((2, 256, 4), np.float32), ((7, 256), np.int64), ((6, 256, 1), np.bool_), ((1, 256, 1), np.float32)]
+    root_keys = ("observation", "action", "done", "terminated", "truncated")
+    next_keys = ("observation", "reward", "done", "terminated", "truncated")
+    stamp_keys = ("worker", "env", "episode", "step", "policy_version", "write_index")
+
+    def objects() -> int:
+        (o0, o1), ints, (b0, b1, b2, b3, b4, b5), (r,) = (torch.from_numpy(np.empty(s, d)).unbind(0) for s, d in blocks)
+        stamps = new({k: v for k, v in zip(stamp_keys, ints[1:])}, batch_size=size, nested=False)
+        nxt = new(dict(zip(next_keys, (o1, r, b3, b4, b5))), batch_size=size, nested=False)
+        root = dict(zip(root_keys, (o0, ints[0], b0, b1, b2)))
+        root["next"], root["ingestd"] = nxt, stamps
+        new(root, batch_size=size, nested=False)
+        return 1
+    groups = [np.empty((shape[0], 256, *shape[1:]), dtype) for _, shape, dtype, _, _ in reader._groups]
+    rng = np.random.default_rng(0)
+    filled = len(reader)
+
+    def bare_copy() -> int:
+        """The copy itself: the seqlocks read twice around a gather of the rows' records, then
+        one strided copy per run of leaves into its block (``ReplayReader._fill_blocks``)."""
+        idx = rng.integers(0, filled, 256)
+        before, rows, after = seq[idx], records[idx], seq[idx]
+        reader._fill_blocks(rows, 256, groups)
+        return int(before.tobytes() == after.tobytes())
+    try:
+        out = reader.empty_batch(256)
+        copied = per_cpu_second(bare_copy, seconds, rounds)
+        made = per_cpu_second(objects, seconds, rounds)
+        into = per_cpu_second(lambda: reader.sample(256, out=out) is not None, seconds, rounds)
+        fresh = per_cpu_second(lambda: reader.sample(256) is not None, seconds, rounds)
+    finally:
+        reader.close()
+        storage.close()
+    made_us, into_us, copy_us = 1e6 / made, 1e6 / into, 1e6 / copied
+    return {"objects_us": round(made_us, 1), "bare_copy_us": round(copy_us, 1), "sample_into_us": round(into_us, 1),
+            "sample_new_us": round(1e6 / fresh, 1),
+            "ceiling_calls_per_cpu_s": round(1e6 / (made_us + copy_us)),
+            "ceiling_with_into_calls_per_cpu_s": round(1e6 / (made_us + into_us)),
+            "note": "in this process with no writer; a writer on the other core adds ~10-40 us per call "
+                    "(bench_replay: reader process)",
+            "target_calls_per_s": TARGETS["cartpole_sample_256_calls_per_s"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.5, help="length of each timed window")
+    parser.add_argument("--rounds", type=int, default=5, help="windows per figure (median)")
+    parser.add_argument("--only", choices=("pixel_gather", "pixels_store", "sample_batch_objects"), action="append")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="ingestd-floors-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    report = {"benchmark": "floors", "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "load_average_start": [round(x, 2) for x in os.getloadavg()],
+              "settings": {"seconds": args.seconds, "rounds": args.rounds}}
+    try:
+        for name, fn in (("pixel_gather", pixel_gather), ("pixels_store", pixels_store),
+                         ("sample_batch_objects", sample_batch_objects)):
+            if args.only is None or name in args.only:
+                report[name] = fn(work, args.seconds, args.rounds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
