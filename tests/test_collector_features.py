@@ -279,6 +279,32 @@ def test_daemon_warms_up_a_continuous_env_within_its_action_bounds():
     assert bool((action[version >= 0] == 0).all()) and int((version >= 0).sum()) > 0  # (no weights: version 0)
 
 
+def test_daemon_stores_a_goal_envs_dict_observations_through_wrappers():
+    """A goal-conditioned gymnasium env (Dict observation space) with a wrapper from the TOML
+    config: every entry is stored in the root and under next, and checks out row by row."""
+    config = """
+[workers]
+env = "Gym"
+policy = "Random"
+count = 1
+env_kwargs = { id = "gym_goal_env:Goal-v0", length = 4, wrappers = [
+    { path = "gymnasium.wrappers:ClipReward", kwargs = { max_reward = 2.0 } } ] }
+"""
+    tests = str(Path(__file__).parent)
+    with DaemonProc(config_text=config, env={"PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}) as d:
+        d.wait_ready(rows=4 * CHUNK)
+        assert d.stop() == 0
+        rows = stored_rows(d.replay_path)
+    nxt = rows["next"]
+    step, episode = nxt["observation"][:, 0], nxt["observation"][:, 1]
+    assert rows.batch_size[0] >= 4 * CHUNK and bool((step >= 1).all() and (step <= 4).all())
+    assert bool((nxt["achieved_goal"][:, 0] == step).all() and (nxt["desired_goal"][:, 0] == episode).all())
+    assert bool((rows["achieved_goal"][:, 0] == step - 1).all() and (rows["desired_goal"] == nxt["desired_goal"]).all())
+    assert bool((nxt["phase"] == step.long() % 3).all()) and rows["phase"].dtype == torch.int64
+    assert bool((nxt["reward"].view(-1) == step.clamp(max=2.0)).all())  # ClipReward(max 2) on reward = step
+    assert bool((nxt["terminated"].view(-1) == (step == 4)).all())
+
+
 def _seeded_run(seed: int, restart: bool = False):
     overrides = {"workers.env": "CartPole", "workers.policy": "MLP", "workers.count": 1, "service.seed": seed,
                  "workers.policy_kwargs": {"epsilon": 0.5}, "workers.total_frames": 8 * CHUNK}

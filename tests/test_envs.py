@@ -183,6 +183,69 @@ def test_gym_rejects_unsupported_spaces():
         Gym(ctx(), id="Blackjack-v1")  # Tuple observation space
 
 
+def test_gym_dict_observations_are_row_keys_of_their_own():
+    """A goal-conditioned env (Dict observation space): "observation" is what the policy reads,
+    the other entries are root and next keys; at an episode's end next holds the final entries
+    and the root the reset ones (the adapter refused Dict spaces)."""
+    env = Gym(ctx(num_envs=2), id="gym_goal_env:Goal-v0")
+    assert env.spec.observation_shape == (2,) and env.spec.action_shape == (2,)
+    root = env.reset()
+    extra = {"achieved_goal": torch.float32, "desired_goal": torch.float32, "phase": torch.int64}
+    assert {k: root[k].dtype for k in extra} == extra and root["achieved_goal"].shape == (2, 1)
+    ended = 0
+    for transition, root in rollout(env, 7):
+        nxt = transition["next"]
+        step, episode = nxt["observation"][:, 0], nxt["observation"][:, 1]
+        assert (nxt["achieved_goal"][:, 0] == step).all() and (nxt["desired_goal"][:, 0] == episode).all()
+        assert (nxt["phase"] == step.long() % 3).all()
+        assert (transition["achieved_goal"][:, 0] == step - 1).all()  # the root it acted on: one step before
+        done = nxt["terminated"].view(-1)
+        if done.any():
+            ended += 1
+            assert (step[done] == 3).all()  # the final entries, not the reset ones
+            assert (root["achieved_goal"][done] == 0).all() and (root["desired_goal"][done, 0] == episode[done] + 1).all()
+    assert ended == 2
+    env.close()
+
+
+def test_gym_dict_observation_key_picks_the_entry_the_policy_reads():
+    env = Gym(ctx(num_envs=2), id="gym_goal_env:Goal-v0", main="state", observation_key="state")
+    root = env.reset()
+    assert env.spec.observation_shape == (2,) and "state" not in root.keys()
+    assert set(root.keys()) >= {"observation", "achieved_goal", "desired_goal", "phase"}
+    env.close()
+    with pytest.raises(ConfigError, match="entry 'observation' would overwrite a row key"):
+        Gym(ctx(), id="gym_goal_env:Goal-v0", observation_key="desired_goal")  # two "observation"s
+
+
+@pytest.mark.parametrize("kwargs, key, message", [
+    ({"main": "state"}, "workers.env_kwargs", "none named 'observation'; set env_kwargs.observation_key"),
+    ({"nested": True}, "workers.env", "entry 'inner'.*flatten it with a wrapper"),
+    ({"clash": True}, "workers.env", "entry 'done' would overwrite a row key"),
+    ({"wrappers": "gymnasium.wrappers:ClipReward"}, "workers.env_kwargs", "wrappers must be a list"),
+    ({"wrappers": [{"path": "nowhere:Wrap"}]}, "workers.env_kwargs", r"wrappers\[0\]: bad import path 'nowhere:Wrap'"),
+    ({"wrappers": [{"path": "gymnasium.wrappers:ClipReward", "kwargs": {"maxx": 1}}]}, "workers.env_kwargs",
+     r"wrappers\[0\]: ClipReward got unknown keyword arguments \['maxx'\]"),
+    ({"wrappers": [{"path": "gymnasium.wrappers:ClipReward", "args": [1]}]}, "workers.env_kwargs",
+     r"wrappers\[0\] must be \{ path"),
+])
+def test_gym_refuses_bad_dict_spaces_and_wrappers_naming_the_key(kwargs, key, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Gym(ctx(), id="gym_goal_env:Goal-v0", **kwargs)
+    assert err.value.key == key
+
+
+def test_gym_wrappers_wrap_every_sub_env_in_order():
+    """env_kwargs.wrappers: import paths, or { path, kwargs } tables, applied to each sub-env in order."""
+    env = Gym(ctx(num_envs=3), id="gym_goal_env:Goal-v0", length=5,
+              wrappers=[{"path": "gymnasium.wrappers:ClipReward", "kwargs": {"max_reward": 2.5}},
+                        "gymnasium.wrappers:FlattenObservation"])
+    assert env.spec.observation_shape == (7,)  # achieved 1 + desired 1 + observation 2 + phase one-hot 3
+    rewards = [t["next", "reward"].view(-1).tolist() for t, _ in rollout(env, 4)]
+    assert rewards == [[1.0] * 3, [2.0] * 3, [2.5] * 3, [2.5] * 3]
+    env.close()
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"idd": "Pendulum-v1"}, {"id": 3}])
 def test_gym_needs_an_id(kwargs):
     """Without an id the adapter made CartPole-v1: a typo'd key failed as "CartPoleEnv got an

@@ -7,22 +7,32 @@ step that ended it and its final observation comes back in ``infos``; the
 adapter puts that final observation in ``("next", "observation")`` and the
 reset one in the next root. A reset the env did not ask for (a sub-env cut by
 ``workers.max_episode_steps``) goes through gymnasium's ``reset_mask``.
-``gym_kwargs`` go to ``gymnasium.make`` (e.g. ``max_episode_steps``). The first
-reset is seeded with ``ctx.seed``.
+``gym_kwargs`` go to ``gymnasium.make`` (e.g. ``max_episode_steps``);
+``wrappers`` (import paths, or ``{path, kwargs}`` tables) wrap each sub-env in
+order. The first reset is seeded with ``ctx.seed``.
 
-Spaces: ``Box`` and ``Discrete`` observations; ``Discrete`` actions become an
-int64 index ``[]`` (``0..n-1``, shifted by the space's ``start``), ``Box``
-actions keep their shape as float32. ``infos`` other than the final
-observation are not stored.
+Spaces: ``Box`` and ``Discrete`` observations, or a ``Dict`` of them: its
+``observation_key`` entry (default ``"observation"``) is the row's
+``observation``, the other entries are rows keys of their own (root and
+``"next"``). ``Discrete`` actions become an int64 index ``[]`` (``0..n-1``,
+shifted by the space's ``start``), ``Box`` actions keep their shape as
+float32. ``infos`` other than the final observation are not stored.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ingestd.collect.envs.base import StepResult, TorchEnv
 from ingestd.collect.interfaces import EnvContext, EnvSpec
+from ingestd.collect.registry import resolve, validate_kwargs
 from ingestd.errors import ConfigError
+
+OBSERVATION = "observation"
+RESERVED = frozenset((OBSERVATION, "action", "done", "terminated", "truncated", "reward", "next", "ingestd"))
 
 
 def _import_gymnasium():
@@ -37,7 +47,8 @@ def _import_gymnasium():
 class Gym(TorchEnv):
     """A gymnasium vector env (sync, same-step autoreset) in the TorchRL layout."""
 
-    def __init__(self, ctx: EnvContext, id: str | None = None, **gym_kwargs):
+    def __init__(self, ctx: EnvContext, id: str | None = None, wrappers: Sequence = (),
+                 observation_key: str = "observation", **gym_kwargs):
         gymnasium = _import_gymnasium()
         if not isinstance(id, str) or not id:  # no default: a typo'd "idd" made CartPole-v1 and failed on "idd"
             extra = f" (got the keys {sorted(gym_kwargs)})" if gym_kwargs else ""
@@ -48,19 +59,19 @@ class Gym(TorchEnv):
             self._env = gymnasium.make_vec(
                 id, num_envs=ctx.num_envs, vectorization_mode="sync",
                 vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP},
-                **gym_kwargs,
+                wrappers=_wrappers(wrappers) or None, **gym_kwargs,
             )
         except gymnasium.error.Error as e:  # an unknown id or version, a missing extra (box2d, atari)
             raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made: {e}") from None
         try:
-            spec, self._action_start = _spec_of(id, self._env.single_observation_space,
-                                                self._env.single_action_space, gymnasium.spaces)
+            self._obs = Observations.of(id, self._env.single_observation_space, gymnasium.spaces, observation_key)
+            spec, self._action_start = _spec_of(id, self._obs, self._env.single_action_space, gymnasium.spaces)
         except ValueError:
             self._env.close()
             raise
         super().__init__(ctx, spec)
         self._seed: int | None = ctx.seed
-        self._after_reset: torch.Tensor | None = None
+        self._after_reset: dict[str, torch.Tensor] = {}  # every observation entry after the last step or reset
         self._reset_in_step: np.ndarray | None = None  # the sub-envs gymnasium reset during the last step
 
     def _reset(self, mask: torch.Tensor | None) -> torch.Tensor:
@@ -68,14 +79,17 @@ class Gym(TorchEnv):
             obs, _ = self._env.reset(seed=self._seed)
             self._seed = None  # later full resets continue the seeded streams
             self._after_reset, self._reset_in_step = self._observation(obs), None
-            return self._after_reset
+            return self._after_reset[OBSERVATION]
         forced = mask.cpu().numpy()  # the sub-envs that ended in the step were reset by gymnasium already;
         if self._reset_in_step is not None:  # the others (cut by StepLimit) are reset here
             forced = forced & ~self._reset_in_step
         if forced.any():
             obs, _ = self._env.reset(options={"reset_mask": forced})
             self._after_reset = self._observation(obs)
-        return self._after_reset
+        return self._after_reset[OBSERVATION]
+
+    def _root_extras(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._after_reset.items() if k != OBSERVATION}
 
     def _step(self, action: torch.Tensor) -> StepResult:
         obs, reward, terminated, truncated, infos = self._env.step(self._gym_action(action))
@@ -85,12 +99,11 @@ class Gym(TorchEnv):
         final = after
         ended = np.flatnonzero(infos.get("_final_obs", ()))
         if ended.size:
-            final = after.clone()
-            for i in ended:
-                final[i] = torch.as_tensor(np.asarray(infos["final_obs"][i]), dtype=final.dtype)
+            final = self._obs.with_final(after, infos["final_obs"], ended)
         device = self.device
-        return (final, torch.tensor(reward, dtype=torch.float32, device=device),
-                torch.tensor(terminated, device=device), torch.tensor(truncated, device=device), {})
+        extras = {k: v for k, v in final.items() if k != OBSERVATION}
+        return (final[OBSERVATION], torch.tensor(reward, dtype=torch.float32, device=device),
+                torch.tensor(terminated, device=device), torch.tensor(truncated, device=device), extras)
 
     def _close(self) -> None:
         self._env.close()
@@ -99,26 +112,112 @@ class Gym(TorchEnv):
         action = action.cpu().numpy()  # a no-op on CPU; gymnasium steps on the host
         return action + self._action_start if self._action_start else action
 
-    def _observation(self, obs: np.ndarray) -> torch.Tensor:
-        return torch.tensor(obs, dtype=self.spec.observation_dtype, device=self.device).view(self.num_envs, *self.spec.observation_shape)
+    def _observation(self, obs) -> dict[str, torch.Tensor]:
+        return self._obs.tensors(obs, self.num_envs, self.device)
 
 
-def _spec_of(id: str, obs_space, action_space, spaces) -> tuple[EnvSpec, int | None]:
-    """The EnvSpec of gymnasium spaces, and the Discrete action ``start`` (None for Box)."""
-    if isinstance(obs_space, spaces.Box):
-        obs_shape, obs_dtype = tuple(obs_space.shape), _torch_dtype(obs_space.dtype)
-    elif isinstance(obs_space, spaces.Discrete):
-        obs_shape, obs_dtype = (), torch.int64
-    else:
-        raise ConfigError("workers.env", f"gym env {id!r}: observation space {obs_space} is not supported; "
-                         "the Gym adapter takes Box or Discrete observations")
+class Observations:
+    """How a gymnasium observation space maps to row keys: the entry the policy reads is stored
+    as ``"observation"``; the other entries of a ``Dict`` space under their own names, in the
+    root and under ``"next"`` (TorchRL's layout for goal-conditioned envs: ``achieved_goal``,
+    ``desired_goal``)."""
+
+    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], source: dict[str, str | None]):
+        self.entries = entries  # row key -> (shape per sub-env, dtype); OBSERVATION first
+        self.source = source  # row key -> the Dict space's key (None: the space is not a Dict)
+
+    @classmethod
+    def of(cls, id: str, space, spaces, observation_key: str = OBSERVATION) -> "Observations":
+        if not isinstance(space, spaces.Dict):
+            return cls({OBSERVATION: _entry(id, "", space, spaces)}, {OBSERVATION: None})
+        names = list(space.spaces)
+        if observation_key not in names:
+            raise ConfigError("workers.env_kwargs", f"gym env {id!r}: its Dict observation space has the entries "
+                                                    f"{names}, none named {observation_key!r}; set env_kwargs."
+                                                    "observation_key to the entry the policy acts on")
+        entries = {OBSERVATION: _entry(id, observation_key, space[observation_key], spaces)}
+        source: dict[str, str | None] = {OBSERVATION: observation_key}
+        for name in names:
+            if name == observation_key:
+                continue
+            if not isinstance(name, str) or name in RESERVED:
+                raise ConfigError("workers.env", f"gym env {id!r}: its Dict observation entry {name!r} would "
+                                                 f"overwrite a row key ({', '.join(sorted(RESERVED))}); rename it "
+                                                 "with a wrapper (env_kwargs.wrappers)")
+            entries[name], source[name] = _entry(id, name, space[name], spaces), name
+        return cls(entries, source)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entries[OBSERVATION][0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entries[OBSERVATION][1]
+
+    def tensors(self, obs, n: int, device) -> dict[str, torch.Tensor]:
+        """The vector env's observation (an array, or a dict of arrays) as ``[n, ...]`` tensors."""
+        return {key: torch.tensor(obs if src is None else obs[src], dtype=dtype, device=device).view(n, *shape)
+                for (key, (shape, dtype)), src in zip(self.entries.items(), self.source.values())}
+
+    def with_final(self, after: dict[str, torch.Tensor], final_obs, ended: np.ndarray) -> dict[str, torch.Tensor]:
+        """``after`` with the rows of the sub-envs ``ended`` replaced by their final observations."""
+        final = {key: value.clone() for key, value in after.items()}
+        for i in ended:
+            for key, src in self.source.items():
+                value = final_obs[i] if src is None else final_obs[i][src]
+                final[key][i] = torch.as_tensor(np.asarray(value), dtype=final[key].dtype)
+        return final
+
+
+def _entry(id: str, name: str, space, spaces) -> tuple[tuple[int, ...], torch.dtype]:
+    """``(shape, dtype)`` of one observation (entry) space: a Box or a Discrete."""
+    if isinstance(space, spaces.Box):
+        return tuple(space.shape), _torch_dtype(space.dtype)
+    if isinstance(space, spaces.Discrete):
+        return (), torch.int64
+    what = f"observation entry {name!r}" if name else "observation space"
+    raise ConfigError("workers.env", f"gym env {id!r}: {what} {space} is not supported; the Gym adapter takes "
+                                     "Box or Discrete observations, or a Dict of them (a nested space: flatten "
+                                     "it with a wrapper, env_kwargs.wrappers = [\"gymnasium.wrappers:"
+                                     "FlattenObservation\"])")
+
+
+def _wrappers(entries) -> list[Callable]:
+    """gymnasium wrappers by import path: ``"module:Wrapper"`` or ``{path = "module:Wrapper",
+    kwargs = {...}}``, applied to each sub-env in order (``wrappers=`` of ``gymnasium.make_vec``)."""
+    if isinstance(entries, (str, Mapping)) or not isinstance(entries, (list, tuple)):
+        raise ConfigError("workers.env_kwargs", f"wrappers must be a list of import paths (\"module:Wrapper\") "
+                                                f"or tables {{ path = ..., kwargs = {{...}} }}, got {entries!r}")
+    made = []
+    for i, entry in enumerate(entries):
+        path, kwargs = entry, {}
+        if isinstance(entry, Mapping):  # a config's tables arrive frozen (Mappings, not dicts)
+            unknown = sorted(set(entry) - {"path", "kwargs"})
+            path, kwargs = entry.get("path"), entry.get("kwargs", {})
+            if unknown or not isinstance(kwargs, Mapping):
+                raise ConfigError("workers.env_kwargs", f"wrappers[{i}] must be {{ path = \"module:Wrapper\", "
+                                                        f"kwargs = {{...}} }}, got {dict(entry)!r}")
+            kwargs = dict(kwargs)
+        try:
+            wrapper = resolve(path)
+            validate_kwargs(wrapper, kwargs)
+        except ValueError as e:  # a bad path, unknown or missing kwargs
+            raise ConfigError("workers.env_kwargs", f"wrappers[{i}]: {e}") from None
+        made.append(functools.partial(wrapper, **kwargs))
+    return made
+
+
+def _spec_of(id: str, obs: Observations, action_space, spaces) -> tuple[EnvSpec, int | None]:
+    """The EnvSpec of the observation entries and the action space, and the Discrete action
+    ``start`` (None for Box)."""
     if isinstance(action_space, spaces.Discrete):
-        spec = EnvSpec(obs_shape, obs_dtype, (), torch.int64, int(action_space.n))
+        spec = EnvSpec(obs.shape, obs.dtype, (), torch.int64, int(action_space.n))
         return spec, int(action_space.start)
     if isinstance(action_space, spaces.Box):
         low, high = (tuple(float(v) for v in np.asarray(b, dtype=np.float64).reshape(-1))
                      for b in (action_space.low, action_space.high))
-        return EnvSpec(obs_shape, obs_dtype, tuple(action_space.shape), torch.float32, None, low, high), None
+        return EnvSpec(obs.shape, obs.dtype, tuple(action_space.shape), torch.float32, None, low, high), None
     raise ConfigError("workers.env", f"gym env {id!r}: action space {action_space} is not supported; "
                      "the Gym adapter takes Discrete or Box actions")
 
