@@ -348,8 +348,8 @@ class WorkersConfig:
 
     count: int = setting(2, "Number of collector worker processes (0 = collect nothing).",
                          Int(0, MAX_WORKERS), live=True)
-    env: str = setting("CartPole", "Environment factory: a built-in (Gym takes env_kwargs = { id = ... }) "
-                                   "or an import path.", Factory(ENV_ALIASES))
+    env: str = setting("CartPole", "Environment factory: a built-in (Gym takes env_kwargs = { id = ..., "
+                                   "wrappers = [...] }: docs/envs.md) or an import path.", Factory(ENV_ALIASES))
     env_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the env factory.", Table())
     num_envs: int = setting(64, "Sub-environments batched in each worker.", Int(1, 1 << 24))
     chunk_steps: int = setting(16, "Steps rolled out per chunk; one chunk = num_envs * chunk_steps rows.",
