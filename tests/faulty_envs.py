@@ -2,6 +2,7 @@
 (``faulty_envs:Raising`` with ``tests/`` on PYTHONPATH)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -80,6 +81,26 @@ def hanging_build(ctx, only_worker: int = -1, **kw):
     while only_worker < 0 or ctx.worker == only_worker:
         time.sleep(1.0)
     return make_env("Checksum", ctx, {})
+
+
+class LyingSpec(_Wrapped):
+    """CartPole whose EnvSpec says ``observation`` (another shape or dtype than it returns), or
+    whose rewards and flags are ``[B]`` instead of TorchRL's ``[B, 1]`` (``flat``)."""
+
+    def __init__(self, ctx, shape=(4,), dtype: str = "float32", flat: bool = False, **kw):
+        super().__init__(ctx, inner="CartPole", **kw)
+        self.spec = dataclasses.replace(self.spec, observation_shape=tuple(shape),
+                                        observation_dtype=getattr(torch, dtype))
+        self.flat = flat
+
+    def fault(self, transition):
+        if self.flat:
+            for key in ("reward", "done", "terminated", "truncated"):
+                transition.set(("next", key), transition.get(("next", key)).view(-1))
+
+
+def lying_spec(ctx, **kw):
+    return LyingSpec(ctx, **kw)
 
 
 def failing_constructor(ctx, **kw):

@@ -108,7 +108,9 @@ BAD = [
     ("workers = 3\n", "workers", "must be a table"),
     (["service.log_level=verbose"], "service.log_level", "debug, info, warning, error"),
     (["workers.env=cartpol"], "workers.env", "did you mean 'CartPole'"),
-    (["workers.env=mypkg.envs"], "workers.env", "after a colon"),
+    (["workers.env=mypkg.envs"], "workers.env", "after a colon: 'mypkg:envs' or 'mypkg.envs:make'"),
+    # a class named with a dot: the class goes after the colon (it suggested 'goalenvs.reach.Reach:make')
+    (["workers.env=goalenvs.reach.Reach"], "workers.env", "after a colon: 'goalenvs.reach:Reach'"),
     (["workers.policy=my-policy"], "workers.policy", "import path"),
     (["workers.env_kwargs=3"], "workers.env_kwargs", "a table"),
     (["workers.num_envs=0"], "workers.num_envs", "1.."),

@@ -310,6 +310,29 @@ def test_config_default_and_check(tmp_path):
     assert res.returncode == 78 and "workers.count" in res.stderr
 
 
+@pytest.mark.parametrize("env_kwargs, said", [
+    ("{dtype=\"float64\"}", "returns float32[4] in 'observation', its spec says float64[4]"),
+    ("{shape=[2, 2]}", "returns float32[4] in 'observation', its spec says float32[2, 2]"),
+    ("{flat=true}", "['next.reward', 'next.done', 'next.terminated', 'next.truncated'] with the per-row shapes "
+                    "[[], [], [], []], not [1]"),
+])
+def test_the_probe_warns_of_rows_that_only_bend_the_spec_or_the_layout(env_kwargs, said, caplog):
+    """Observations of another dtype or shape of as many elements than the env's spec says, and
+    [B] rewards and flags, were stored without a word (custom-env review: a trainer building its
+    networks from the spec, or a loss broadcasting [B] against [B, 1], went wrong silently). They
+    pass with a warning: a replay made that way must keep opening."""
+    import logging
+
+    from ingestd.service.config import load_config, resolve_paths
+    from ingestd.service.probe import check_buildable
+
+    config = load_config(None, ['workers.env="faulty_envs:lying_spec"', f"workers.env_kwargs={env_kwargs}",
+                                'workers.policy="Random"'])
+    with caplog.at_level(logging.WARNING, logger="ingestd"):
+        check_buildable(config, resolve_paths(config, os.environ))
+    assert said in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("case", ["flat", "float64", "bug", "reset", "transient"])
 def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart(case, caplog):
     """The probe's verdicts (what `ingestd config check` and `run` check first; in-process, as
@@ -501,6 +524,12 @@ PROBE_FAILURES = {
     # a constructor that fails for good (was exit 1, which systemd retried)
     "env constructor raises": (['workers.env="faulty_envs:failing_constructor"'], "workers.env",
                                "RuntimeError: simulated scene file missing"),
+    # an env whose spec says another observation than it returns (a policy sized from the spec fails)
+    "spec observation": (['workers.env="faulty_envs:lying_spec"', "workers.env_kwargs={shape=[3]}",
+                          'workers.policy="Random"'], "workers.env", "returns float32[4] in 'observation', but its "
+                          "spec says float32[3]"),
+    "gym make kwarg": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", gg=3.0}'], "workers.env_kwargs",
+                       "unexpected keyword argument 'gg'"),
     "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
                        "NoSuchEnv"),
     "tuple observations": (['workers.env="Gym"', 'workers.env_kwargs={id="Blackjack-v1"}'], "workers.env",

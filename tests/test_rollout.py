@@ -176,3 +176,36 @@ def test_a_policy_module_with_grad_acts_under_no_grad():
     finally:
         env.close()
     assert rows["action"].shape == (8, 1) and not rows["action"].requires_grad
+
+
+class _SometimesKey:
+    """CartPole whose transitions gain ``("next", "late")`` from step ``at`` on."""
+
+    def __init__(self, at: int):
+        from ingestd.collect.envs.cartpole import CartPole
+
+        self.inner = CartPole(EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0))
+        self.num_envs, self.spec, self.at, self.steps = ENVS, self.inner.spec, at, 0
+
+    def reset(self):
+        return self.inner.reset()
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        self.steps += 1
+        if self.steps > self.at:
+            transition.set(("next", "late"), torch.zeros(ENVS, 1))
+        return transition, root
+
+
+def test_a_key_the_env_sets_only_sometimes_is_named_with_its_step():
+    """The error said "the env's transitions do not all have the same keys" and named nothing
+    (custom-env review): it now names the key, whether new or missing, the step, and workers.env."""
+    from ingestd.errors import EnvFault
+
+    env = _SometimesKey(at=2)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
+    with pytest.raises(EnvFault, match=r"changed their keys at step 2 of a chunk: new \[\('next', 'late'\)\], "
+                                       r"missing \[\]") as err:
+        rollout.chunk(0)
+    assert err.value.key == "workers.env"

@@ -374,3 +374,51 @@ def test_a_failed_worker_is_retried_after_failed_retry_s_with_a_fresh_budget(sle
     supervisor.tick()
     assert started == [0] and supervisor.slots[0].failures == 0
     assert ("worker.restarted", {"worker": 0, "reason": "retry after failed", "after_s": 0.0}) in events
+
+
+@pytest.mark.parametrize("collected_s, reset_s, failed", [
+    (2.0, 10.0, True),  # dies a few chunks in every time: a crash loop, marked failed at the budget
+    (12.0, 10.0, False),  # collected past restart_reset_s each time: a fresh count every death
+    (2.0, 0.0, False),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
+])
+def test_a_worker_dying_soon_after_its_first_chunk_counts_against_the_budget(tmp_path, collected_s, reset_s, failed):
+    """A worker that wrote a chunk and then died the same way every time (an env failing at step
+    17, a NaN reward every 40 steps) reset its failure count with each chunk: it was restarted for
+    ever at the first backoff, rebuilding its env every time (custom-env review: 27 restarts in
+    8 s). Its death now counts unless it had collected for workers.restart_reset_s, and the
+    backoff grows with the count."""
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    now = [100.0]
+    policy = RestartPolicy(heartbeat_timeout_s=1e9, backoff_s=0.1, backoff_max_s=10.0, budget=3, reset_s=reset_s)
+    supervisor = Supervisor(lambda i: None, stats, policy, clock=lambda: now[0])
+    procs = []
+
+    def start(index, slot):  # a sleeper stands in for the worker process
+        slot.start_at, slot.collecting_since = None, None
+        stats.reset(index)
+        procs.append(Sleeper())
+        slot.process = procs[-1]
+        stats[index]["state"], stats[index]["pid"] = State.RUNNING, slot.process.pid
+    supervisor._start = start
+    delays = []
+    try:
+        supervisor.scale(1)
+        for _ in range(policy.budget):
+            supervisor.tick()  # starts it
+            slot = supervisor.slots[0]
+            stats[0]["chunks"] = 1
+            supervisor.tick()  # sees its first chunk
+            now[0] += collected_s
+            stats.set_error(0, "RuntimeError: the same fault again")
+            slot.process.stop()
+            supervisor.tick()  # reaps it
+            if stats.state(0) == State.FAILED:
+                break
+            delays.append(round(slot.start_at - now[0], 3))
+            now[0] = slot.start_at
+        assert (stats.state(0) == State.FAILED) is failed
+        assert delays == ([0.1, 0.2] if failed else [0.1] * policy.budget)
+    finally:
+        for proc in procs:
+            proc.stop()
+        stats.close()

@@ -152,8 +152,7 @@ class Rollout:
                     self._allocate(leaves)
                 eager = self._eager_targets(into)
             if len(leaves) != self._width:
-                raise RuntimeError("the env's transitions do not all have the same keys; every step must "
-                                   "produce the same keys")
+                raise EnvFault(self._keys_changed(leaves, t))
             done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
@@ -231,6 +230,16 @@ class Rollout:
             raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
                                "root's ('ingestd', ...) entries")
         self._rows, self._width = rows, len(first)
+
+    def _keys_changed(self, leaves: dict, t: int) -> str:
+        """Which keys a step's transition gained or lost against the chunk's first one."""
+        def norm(keys) -> set:
+            return {k if isinstance(k, tuple) else (k,) for k in keys}
+        now = norm(leaves)
+        first = norm(self._rows.keys(include_nested=True, leaves_only=True))
+        return (f"the env's transitions changed their keys at step {t} of a chunk: new {sorted(now - first)}, "
+                f"missing {sorted(first - now)}; every step must produce the same keys (a key the env sets "
+                "only sometimes: set it on every step)")
 
     def _eager_targets(self, into: Mapping[tuple, torch.Tensor] | None) -> list[tuple]:
         """``(key, per-step rows to copy into, rows tensor from into or None)`` of each large leaf."""

@@ -196,7 +196,9 @@ class Factory(Rule):
                 raise self.fail(key, value, "; an import path looks like 'mypkg.envs:make_env'")
             return text
         if "." in text:
-            raise self.fail(key, value, f"; an import path names the factory after a colon: '{text}:make'")
+            module, _, last = text.rpartition(".")
+            guess = f"'{module}:{last}'" if last[:1].isupper() else f"'{module}:{last}' or '{text}:make'"
+            raise self.fail(key, value, f"; an import path names the factory after a colon: {guess}")
         if not self.aliases:
             if not text.isidentifier():
                 raise self.fail(key, value)
@@ -375,8 +377,12 @@ class WorkersConfig:
     restart_backoff_max_s: float = setting(2.0, "Upper bound of the restart delay (>= restart_backoff_s).",
                                            Float(0.0), live=True)
     restart_budget: int = setting(
-        5, "Consecutive failed starts (deaths without writing a chunk since starting) before a worker is "
-           "marked failed.", Int(1, 1_000_000), live=True)
+        5, "Consecutive failed starts (deaths before collecting for restart_reset_s since starting) before a "
+           "worker is marked failed.", Int(1, 1_000_000), live=True)
+    restart_reset_s: float = setting(
+        10.0, "A worker that dies after collecting (writing chunks) for this long starts a fresh restart count "
+              "and backoff; dying sooner counts against restart_budget. 0 = its first chunk is enough.",
+        Float(0.0, or_equal=True), live=True)
     action_bounds: str = setting(
         "refuse", "Actions outside the env's bounds (a Box's low/high, a discrete env's action count): refuse "
                   "(the chunk is not stored and the worker fails naming the first bad row), clip (clamped "

@@ -342,7 +342,7 @@ def pin_dir(path) -> int | None:
 
 def restart_policy(workers) -> RestartPolicy:
     return RestartPolicy(workers.heartbeat_timeout_s, workers.restart_backoff_s, workers.restart_backoff_max_s,
-                         workers.restart_budget, workers.failed_retry_s)
+                         workers.restart_budget, workers.failed_retry_s, workers.restart_reset_s)
 
 
 def _with_live(old, new, applied: list[str]):

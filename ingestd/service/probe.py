@@ -109,6 +109,7 @@ def _example_rows(spec: WorkerSpec, seed: int):
         _check_action(spec, env, acting, rollout)
         rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
                            lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
+        _check_layout(spec, env, rows)
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
@@ -196,6 +197,36 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
     if tuple(action.shape) != want_shape or action.dtype != want_dtype:
         log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
                     "them", spec.policy, got, spec.env, want)
+
+
+def _check_layout(spec: WorkerSpec, env, rows) -> None:
+    """The env's rows fit its own spec and TorchRL's layout: observations of the spec's shape and
+    dtype, ``[B, 1]`` rewards and flags. An observation with another number of elements than the
+    spec says is refused (a policy sizes its input from the spec: a [3] observation for a spec of
+    [4] was stored as it came, or failed in the policy naming workers.policy); another shape of as
+    many elements, another dtype, or ``[B]`` rewards and flags (TorchRL's losses broadcast them
+    against ``[B, 1]`` values into ``[B, B]``) are warned about: a replay made so must keep opening."""
+    want = _described(env.spec.observation_shape, env.spec.observation_dtype)
+    for key in ("observation", ("next", "observation")):
+        leaf = rows.get(key, None)
+        if not isinstance(leaf, torch.Tensor):
+            raise ConfigError("workers.env", f"env {spec.env}'s transitions have no {key!r} tensor; an env returns "
+                                             "TorchRL's layout (docs/envs.md)")
+        got = _described(leaf.shape[1:], leaf.dtype)
+        if leaf.shape[1:].numel() != math.prod(env.spec.observation_shape):
+            raise ConfigError("workers.env", f"env {spec.env} returns {got} in {key!r}, but its spec says {want}; "
+                                             "make EnvSpec.observation_shape what the env returns (policies size "
+                                             "their input from it)")
+        if got != want:
+            log.warning("env %s returns %s in %r, its spec says %s; stored as the env returns them",
+                        spec.env, got, key, want)
+    flat = [k for k in (("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated"))
+            if isinstance(rows.get(k, None), torch.Tensor) and tuple(rows.get(k).shape[1:]) != (1,)]
+    if flat:
+        log.warning("env %s returns %s with the per-row shapes %s, not [1] (TorchRL's [num_envs, 1] layout); "
+                    "stored as they come, but a loss computing reward + gamma * (1 - done) * value with [B, 1] "
+                    "values broadcasts them to [B, B]", spec.env, [".".join(k) for k in flat],
+                    [list(rows.get(k).shape[1:]) for k in flat])
 
 
 def _described(shape, dtype) -> str:

@@ -2,9 +2,9 @@
 
 Runs in the daemon's main thread (workers are forked from it, and their
 ``PDEATHSIG`` is tied to it). A worker that dies is restarted after an
-exponential backoff; one that keeps dying without writing a single chunk
-(``restart_budget`` times in a row) is marked ``failed`` and left alone
-while the others keep collecting.
+exponential backoff; one that keeps dying before it has collected for
+``restart_reset_s`` (``restart_budget`` times in a row) is marked ``failed``
+and left alone while the others keep collecting.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class RestartPolicy:
     backoff_max_s: float = 2.0
     budget: int = 5
     failed_retry_s: float = 0.0  # a failed worker is started again after this long (0: never)
+    # a death counts against the budget (and grows the backoff) unless the worker had been
+    # collecting (written a chunk) for this long; 0: its first chunk is progress enough
+    reset_s: float = 10.0
 
     def backoff(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
@@ -41,7 +44,8 @@ class RestartPolicy:
 class Slot:
     spec: WorkerSpec
     process: mp.process.BaseProcess | None = None
-    failures: int = 0  # consecutive deaths without progress
+    failures: int = 0  # consecutive deaths without progress (see RestartPolicy.reset_s)
+    collecting_since: float | None = None  # when this incarnation was first seen to have written a chunk
     start_at: float | None = None  # pending (re)start time
     retiring: bool = False  # asked to stop for good (scale down)
     restarting: bool = False  # asked to stop, then start again (restart command)
@@ -144,6 +148,8 @@ class Supervisor:
             if slot.process is not None and not slot.process.is_alive():
                 self._reap(index, slot, now)
             elif slot.process is not None:
+                if slot.collecting_since is None and int(self.stats[index]["chunks"]) > 0:
+                    slot.collecting_since = now
                 self._check_heartbeat(index, slot, now)
                 if (slot.retiring or slot.restarting) and int(self.stats[index]["desired"]) != Desired.STOP:
                     self.stats[index]["desired"] = Desired.STOP  # a control thread's pause/resume raced the stop
@@ -180,7 +186,7 @@ class Supervisor:
         self._on_event("worker.failed", worker=index, error=error)
 
     def _start(self, index: int, slot: Slot) -> None:
-        slot.start_at, slot.hung, slot.failed_at, slot.kill_at = None, False, None, None
+        slot.start_at, slot.hung, slot.failed_at, slot.kill_at, slot.collecting_since = None, False, None, None, None
         self.stats.reset(index)
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
@@ -224,7 +230,7 @@ class Supervisor:
             slot.start_at = now
             self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
-        slot.failures = 1 if rec["chunks"] > 0 else slot.failures + 1
+        slot.failures = 1 if self._made_progress(slot, rec, now) else slot.failures + 1
         error = self.stats.error(index)
         if not error:  # gone without a word (os._exit, a segfault, the OOM killer): status says how
             error = _exit_reason(code)
@@ -232,8 +238,8 @@ class Supervisor:
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
-            log.error("worker %d failed %d times in a row without writing; marked failed: %s",
-                      index, slot.failures, error)
+            log.error("worker %d failed %d times in a row without collecting for %g s (workers.restart_reset_s) "
+                      "in between; marked failed: %s", index, slot.failures, self.policy.reset_s, error)
             self._mark_failed(index, slot, error)
             return
         rec["restarts"] += 1
@@ -242,6 +248,17 @@ class Supervisor:
         rec["state"], rec["pid"] = State.STARTING, 0
         slot.start_at = now + self.policy.backoff(slot.failures)
         self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.failures))
+
+    def _made_progress(self, slot: Slot, rec, now: float) -> bool:
+        """Whether the incarnation that died had collected for ``reset_s``: its death then starts
+        a fresh count. A worker dying a few chunks in every time (an env failing at a step, a NaN
+        every few hundred steps) is a crash loop too: one chunk used to reset the count, so it
+        was restarted for ever at the shortest backoff, rebuilding its env each time."""
+        since = slot.collecting_since
+        slot.collecting_since = None
+        if since is None and rec["chunks"] > 0:  # wrote, then died between two ticks
+            since = now
+        return since is not None and now - since >= self.policy.reset_s
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
         """Kill a worker silent for longer than the timeout. A hang kill restarts every other

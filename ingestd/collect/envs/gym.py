@@ -63,6 +63,11 @@ class Gym(TorchEnv):
             )
         except gymnasium.error.Error as e:  # an unknown id or version, a missing extra (box2d, atari)
             raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made: {e}") from None
+        except TypeError as e:  # a make kwarg the env does not take ("unexpected keyword argument 'gg'")
+            if "keyword argument" not in str(e):
+                raise
+            raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made with the env_kwargs "
+                                                    f"{sorted(gym_kwargs)}: {e}") from None
         try:
             self._obs = Observations.of(id, self._env.single_observation_space, gymnasium.spaces, observation_key)
             spec, self._action_start = _spec_of(id, self._obs, self._env.single_action_space, gymnasium.spaces)
