@@ -715,3 +715,24 @@ def test_a_storage_whose_priority_tree_does_not_fit_leaves_nothing_and_says_the_
             pass
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: a leaked descriptor must not keep it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
+def test_a_storage_that_cannot_fit_is_refused_before_any_block_is_allocated(tmp_path, monkeypatch):
+    """Pixel-DQN review: a replay too big for its tmpfs was refused only once posix_fallocate had
+    filled the tmpfs to its last block (every other user of /dev/shm got ENOSPC or SIGBUS
+    meanwhile). The free space is read first: nothing is allocated, and the message says it."""
+    from ingestd.errors import StorageFull
+    from ingestd.replay import files
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    allocated = []
+    monkeypatch.setattr(files, "allocate_file", lambda file, size: allocated.append(file))
+    try:
+        with pytest.raises(StorageFull, match=r"no room for a replay of 65536 rows .*only [\d.]+ MiB free"):
+            ReplayStorage.create(mount / "r", rp.spec("cartpole"), 1 << 16)
+        assert allocated == [] and {p.name for p in (mount / "r").iterdir()} <= {"lock"}
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)

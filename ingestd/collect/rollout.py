@@ -53,6 +53,7 @@ _NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
 # a leaf at least this large per step (an image batch) is copied into its buffer right after
 # the step, while still in cache, and released so the env's allocator reuses the memory
 _EAGER_BYTES = 64 << 10
+_FRESH_CHUNKS = 2  # an env reusing its buffers does so from its first steps: checking these is enough
 
 
 def _tensordict(source: dict, batch_size: torch.Size) -> TensorDict:
@@ -111,6 +112,8 @@ class Rollout:
         self._floats: list[tuple] = []  # keys of the float leaves scanned for NaN (checks.scanned)
         self._width = 0  # leaves per transition (stamps included)
         self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
+        self._pairs: list[tuple] = []  # (root key, next key) of the leaves in both (see _check_fresh)
+        self._fresh_checks = _FRESH_CHUNKS  # chunks whose steps are checked for reused env buffers
         self._root = env.reset()
 
     @property
@@ -153,6 +156,8 @@ class Rollout:
                 eager = self._eager_targets(into)
             if len(leaves) != self._width:
                 raise EnvFault(self._keys_changed(leaves, t))
+            if self._fresh_checks:
+                _check_fresh(leaves, self._pairs)
             done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
@@ -161,6 +166,7 @@ class Rollout:
                 torch.add(step[t], 1, out=step[t + 1]).masked_fill_(done, 0)
                 torch.add(episode[t], done, alpha=self._n, out=episode[t + 1])
         self._root = root
+        self._fresh_checks = max(0, self._fresh_checks - 1)
         torch.stack(dones, out=self._dones)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
@@ -230,6 +236,8 @@ class Rollout:
             raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
                                "root's ('ingestd', ...) entries")
         self._rows, self._width = rows, len(first)
+        self._pairs = [(k[1] if len(k) == 2 else k[1:], k) for k in first if isinstance(k, tuple) and k[0] == "next"
+                       and (k[1] if len(k) == 2 else k[1:]) in first]
 
     def _keys_changed(self, leaves: dict, t: int) -> str:
         """Which keys a step's transition gained or lost against the chunk's first one."""
@@ -276,6 +284,20 @@ class Rollout:
         self._step = np.where(last, 0, step[-1] + 1)
         self._episode = self._episode_np[-1] + last * self._n
         return finished
+
+
+def _check_fresh(leaves: dict, pairs: list[tuple]) -> None:
+    """Refuse a transition whose next leaf is the very memory of the root leaf it stepped from:
+    the env overwrote, in place, a tensor it returned on the step before (a frame stack rolled in
+    its own buffer), so the rows would show each step's new values for both (pixel-DQN review:
+    every stored row had observation == next observation, with no error)."""
+    for root_key, next_key in pairs:
+        before, after = leaves[root_key], leaves[next_key]
+        if before.data_ptr() == after.data_ptr() and after.numel() and before.shape == after.shape:
+            raise EnvFault(f"the env returned the same tensor memory for {root_key!r} (in the root it stepped "
+                           f"from) and {next_key!r}: it writes a new step into a buffer it returned before (a frame "
+                           "stack rolled in place?), so the stored rows would hold the new values for both; return "
+                           "a fresh tensor every step (torch.roll or .clone() of the buffer)")
 
 
 def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:

@@ -187,9 +187,23 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, need: int) -> N
     del header
 
 
-def no_room(path: Path, capacity: int, need: int, exc: OSError | None) -> StorageFull:
+def check_room(path: Path, capacity: int, need: int) -> None:
+    """Refuse, before allocating anything, a replay the file system has no room for: allocating
+    it first filled the tmpfs to the last block (other users of /dev/shm got ENOSPC or SIGBUS
+    meanwhile) before the allocation failed. A file system that reports no sizes is left to
+    ``allocate``."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return
+    free = fs.f_bavail * fs.f_frsize
+    if fs.f_blocks and free < need:
+        raise no_room(path, capacity, need, None, f"only {free / 2**20:.1f} MiB free")
+
+
+def no_room(path: Path, capacity: int, need: int, exc: OSError | None, why: str = "") -> StorageFull:
     """The error for a replay that does not fit where it is to be created."""
-    why = getattr(exc, "strerror", None) or os.strerror(errno.ENOSPC)
+    why = why or getattr(exc, "strerror", None) or os.strerror(errno.ENOSPC)
     return StorageFull(f"no room for a replay of {capacity} rows at {path}: it needs {need / 2**20:.1f} MiB with "
                        f"its priority tree ({why}); lower replay.capacity or choose a replay.path with space. If "
                        f"the files there do not account for the space in use, processes may still map a removed "

@@ -176,6 +176,7 @@ class ReplayStorage(MappedStore):
             if any(p.name not in files.CREATION_FILES for p in path.iterdir()):
                 raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
             need = files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
+            files.check_room(path, capacity, need)
             files.allocate(path, schema, capacity, need)
             try:  # the tree too, before meta.json: a storage that does not fit leaves nothing behind
                 PriorityTree.attach(path, capacity).close()
