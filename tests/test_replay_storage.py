@@ -736,3 +736,24 @@ def test_a_storage_that_cannot_fit_is_refused_before_any_block_is_allocated(tmp_
         assert allocated == [] and {p.name for p in (mount / "r").iterdir()} <= {"lock"}
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_non_blocking_sample_while_the_first_chunk_is_in_flight_copies_no_rows_to_redraw(shm_dir):
+    """Pixel-DQN review: with the first chunk reserved but not committed, sample(256) of pixel rows
+    re-drew by copying 256 image rows per round, 64 rounds (1-2 s) before EmptyReplay. Draws are
+    now re-drawn by their seqlocks alone: one copy, then EmptyReplay; once a row commits, it is
+    the one returned."""
+    with PayloadStorage.create(shm_dir / "r", rp.spec("pixels"), 1024) as store, \
+            ReplayReader(shm_dir / "r") as reader:
+        copies = []
+        real_copy = reader._copy
+        reader._copy = lambda idx, into=None: copies.append(idx.size) or real_copy(idx, into)
+        with store.reserved(64) as slots:
+            assert len(reader) == 64  # rows in flight count: the reader must look at their seqlocks
+            with pytest.raises(EmptyReplay):
+                reader.sample(256)
+            assert copies == [256]
+            copies.clear()
+            slots.commit(rp.rows(store.schema, slots.index))
+        batch = reader.sample(256)
+        assert not rp.bad_rows(batch, reader.schema).any() and len(copies) <= 3
