@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -291,6 +292,20 @@ def test_bad_config_exits_78_naming_the_key(override, key, tmp_path):
     assert not (tmp_path / "replay").exists(), "nothing may be created before the config is valid"
 
 
+def test_a_new_replay_that_cannot_fit_is_a_config_error_naming_the_capacity(tmp_path):
+    from ingestd.errors import ConfigError
+    from ingestd.service.config import load_config, resolve_paths
+    from ingestd.service.probe import check_buildable, replay_room
+
+    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
+                                'workers.env="Pixels"', 'workers.policy="Random"', "replay.capacity=1000000000"])
+    paths = resolve_paths(config, os.environ)
+    rows, _ = check_buildable(config, paths)
+    with pytest.raises(ConfigError, match=r"1000000000 rows of 56\d\d\d bytes, [\d.]+ GiB does not fit: .* free") as err:
+        replay_room(config, paths, rows)
+    assert err.value.key == "replay.capacity" and not (tmp_path / "data").exists()
+
+
 def test_config_default_and_check(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "default"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
@@ -299,8 +314,12 @@ def test_config_default_and_check(tmp_path):
     checks = {name: subprocess.Popen([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(good),
                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for name, extra in (("ok", []), ("small", ["--set", "control.max_message_bytes=1024"]))}
-    said = {name: (proc.communicate(timeout=60)[1], proc.returncode) for name, proc in checks.items()}
+    outputs = {name: proc.communicate(timeout=60) for name, proc in checks.items()}
+    said = {name: (outputs[name][1], proc.returncode) for name, proc in checks.items()}
+    stdout = outputs["ok"][0]
     assert said["ok"][1] == 0 and "max_message_bytes" not in said["ok"][0], said["ok"]
+    # what the replay will take, and the room there (a 56 GB pixel replay was "ok" on a 24 GB tmpfs)
+    assert re.search(r": ok; replay .*: 1000000 rows of \d+ bytes, [\d.]+ MiB; [\d.]+ GiB free there", stdout), stdout
     # weights no push could carry: said (not an error: a policy may never be pushed to)
     assert said["small"][1] == 0 and "over control.max_message_bytes (1024)" in said["small"][0], said["small"]
     bad = tmp_path / "bad.toml"
@@ -802,6 +821,26 @@ def test_start_weights_versions_never_go_backwards(tmp_path, left, stored, mode,
     with _weight_store(path, manifest_of(initial), initial, stored, resume=mode == "resume") as store:
         got, state = store.read()
     assert got == version and torch.equal(state["w"], (old if holds == "old" else initial)["w"])
+
+
+@pytest.mark.parametrize("fresh, level", [(True, "WARNING"), (False, "INFO")])
+def test_resumed_weights_into_an_empty_replay_are_a_warning(tmp_path, caplog, fresh, level):
+    """Pixel-DQN review: a new experiment (a new, empty replay, other policy_kwargs) silently
+    collected with the greedy weights an old trainer had pushed, said at INFO only."""
+    import logging
+
+    from ingestd.service.layout import _weight_store
+    from ingestd.weights import WeightStore
+    from ingestd.weights.wire import manifest_of
+
+    path, old = tmp_path / "weights", {"w": torch.full((3,), 7.0)}
+    with WeightStore.create(path, manifest_of(old)) as store:
+        store.publish(old, version=23)
+    with caplog.at_level(logging.INFO, logger="ingestd"):
+        with _weight_store(path, manifest_of(old), {"w": torch.zeros(3)}, 0, resume=True, fresh_replay=fresh):
+            pass
+    said = [r for r in caplog.records if "resuming from weights version 23" in r.getMessage()]
+    assert [r.levelname for r in said] == [level] and ("into an empty replay" in said[0].getMessage()) == fresh
 
 
 @pytest.mark.parametrize("mode", ["resume", "initial"])

@@ -127,11 +127,13 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
-            from ingestd.service.probe import check_buildable
+            from ingestd.service.probe import check_buildable, replay_room
 
             checked = cfg.load_config(args.file, args.overrides)
-            check_buildable(checked, cfg.resolve_paths(checked, os.environ))  # what `run` checks first
-            print(f"{args.file}: ok")
+            paths = cfg.resolve_paths(checked, os.environ)
+            rows, _ = check_buildable(checked, paths)  # what `run` checks first
+            room = replay_room(checked, paths, rows)
+            print(f"{args.file}: ok; {room}")
             return 0
         config = cfg.load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -389,8 +389,9 @@ class WorkersConfig:
                   "before the env steps, and stored clamped) or off (stored as they come). Non-finite actions "
                   "are always refused.", Choice(("refuse", "clip", "off")))
     check_finite: bool = setting(
-        True, "Refuse a chunk holding NaN or infinity in an observation or any other small float leaf (not "
-              "images); false stores them (envs that use inf on purpose). Rewards and actions are always "
+        True, "Refuse a chunk holding NaN or infinity in an observation or any other float leaf under 64 KiB "
+              "per row (larger ones, float image stacks such as 4x84x84 float32, are not scanned: a pass over "
+              "every byte); false stores them (envs that use inf on purpose). Rewards and actions are always "
               "checked.", Bool())
     failed_retry_s: float = setting(
         0.0, "A worker marked failed is started again, with a fresh restart budget, after this long (a "

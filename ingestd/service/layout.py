@@ -15,7 +15,7 @@ from ingestd.errors import ConfigError, CorruptStorage, IngestdError
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
 from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
-from ingestd.service.probe import check_buildable
+from ingestd.service.probe import check_buildable, replay_room
 
 log = logging.getLogger("ingestd.daemon")
 START_LOCK_WAIT_S = 10.0  # the start waits this long for a lock file a trainer holds
@@ -67,6 +67,7 @@ def worker_threads(configured: int, workers: int, cores: int | None = None) -> i
 def build_layout(config, paths, stopping=lambda: False) -> Layout:
     """Create (or reopen) every shared object before any worker exists."""
     example, policy = check_buildable(config, paths, stopping)
+    log.info("%s", replay_room(config, paths, example))  # a new replay that cannot fit: exit 78 here
     for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
                            ("replay.path", Path(paths.replay).parent)):
         make_dir(directory, key)
@@ -83,7 +84,7 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
         state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         manifest = manifest_of(state)
         weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage),
-                                resume=config.service.start_weights == "resume")
+                                resume=config.service.start_weights == "resume", fresh_replay=storage.write_count == 0)
     else:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
@@ -115,7 +116,7 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
         raise_unusable_path("replay.path", exc, f"cannot use {path} as the replay storage ({exc.filename})")
 
 
-def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True):
+def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True, fresh_replay: bool = False):
     """The daemon's weight store, versions kept monotonic across daemon restarts.
 
     The previous daemon's store, if it holds the same policy shape, is reopened in place, so
@@ -144,9 +145,13 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
             log.info("starting from the policy's initial weights as version %d (service.start_weights = "
                      "\"initial\"; the previous daemon left version %d in %s)", version, previous, path)
             return weights
-        log.info("resuming from weights version %d left by the previous daemon in %s; to start from the "
-                 "policy's initial weights instead, set service.start_weights = \"initial\" (ingestd run "
-                 "--set service.start_weights=initial) or use a new service.runtime_dir", previous, path)
+        # an empty replay with the last run's weights is most likely a new experiment (pixel-DQN review:
+        # a new replay and policy_kwargs silently collected with a greedy policy an old trainer had pushed)
+        log.log(logging.WARNING if fresh_replay else logging.INFO,
+                "resuming from weights version %d left by the previous daemon in %s%s; to start from the "
+                "policy's initial weights instead, set service.start_weights = \"initial\" (ingestd run "
+                "--set service.start_weights=initial) or use a new service.runtime_dir", previous, path,
+                " into an empty replay" if fresh_replay else "")
         if previous < stored:  # this replay holds rows of later versions (another store's)
             weights.publish(weights.read()[1], version=stored + 1)
         return weights

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,6 +42,38 @@ def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False)
         rows, policy = _example_rows(probe, config.service.seed)
     _check_pushable(policy, config.control.max_message_bytes)
     return rows, policy
+
+
+def replay_room(config, paths, rows) -> str:
+    """One line on the replay the config makes: rows, bytes per row and in all, and the free
+    space where it goes; a new replay that cannot fit there is a ``ConfigError`` naming
+    ``replay.capacity`` (``ingestd config check`` said "ok" to a 56 GB pixel replay on a 24 GB
+    tmpfs, and ``run`` failed only once it allocated)."""
+    from ingestd.replay import files, priority
+    from ingestd.replay.storage import schema_of
+
+    replay, capacity = Path(paths.replay), config.replay.capacity
+    schema = schema_of(rows)
+    need = files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
+    size = f"replay {replay}: {capacity} rows of {need // capacity} bytes, {_bytes(need)}"
+    if (replay / "meta.json").exists():
+        return f"{size} (exists: reopened)"
+    existing = next((p for p in (replay, *replay.parents) if p.exists()), None)
+    try:
+        fs = os.statvfs(existing) if existing is not None else None
+    except OSError:
+        fs = None
+    if fs is None or not fs.f_blocks:
+        return size
+    free = fs.f_bavail * fs.f_frsize
+    if free < need:
+        raise ConfigError("replay.capacity", f"{size} does not fit: {_bytes(free)} free on the file system of "
+                                             f"{existing}; lower replay.capacity or choose a replay.path with room")
+    return f"{size}; {_bytes(free)} free there"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_pushable(policy, max_message_bytes: int) -> None:
