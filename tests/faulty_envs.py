@@ -85,13 +85,31 @@ def hanging_build(ctx, only_worker: int = -1, **kw):
 
 class LyingSpec(_Wrapped):
     """CartPole whose EnvSpec says ``observation`` (another shape or dtype than it returns), or
-    whose rewards and flags are ``[B]`` instead of TorchRL's ``[B, 1]`` (``flat``)."""
+    whose rewards and flags are ``[B]`` instead of TorchRL's ``[B, 1]`` (``flat``), or whose
+    observation is named ``observation_key`` (TorchRL pixel envs have ``pixels``)."""
 
-    def __init__(self, ctx, shape=(4,), dtype: str = "float32", flat: bool = False, **kw):
+    def __init__(self, ctx, shape=(4,), dtype: str = "float32", flat: bool = False, observation_key: str = "",
+                 **kw):
         super().__init__(ctx, inner="CartPole", **kw)
         self.spec = dataclasses.replace(self.spec, observation_shape=tuple(shape),
                                         observation_dtype=getattr(torch, dtype))
-        self.flat = flat
+        self.flat, self.key = flat, observation_key
+
+    def _renamed(self, td):
+        if self.key:
+            td.rename_key_("observation", self.key)
+            if "next" in td.keys():
+                td["next"].rename_key_("observation", self.key)
+        return td
+
+    def reset(self):
+        return self._renamed(super().reset())
+
+    def step_and_maybe_reset(self, td):
+        if self.key:
+            td.rename_key_(self.key, "observation")
+        transition, root = super().step_and_maybe_reset(td)
+        return self._renamed(transition), self._renamed(root)
 
     def fault(self, transition):
         if self.flat:

@@ -235,6 +235,12 @@ def test_gym_refuses_bad_dict_spaces_and_wrappers_naming_the_key(kwargs, key, me
     assert err.value.key == key
 
 
+def test_gym_observation_key_is_for_dict_spaces_only():
+    with pytest.raises(ConfigError, match="observation_key picks an entry of a Dict observation space") as err:
+        Gym(ctx(), id="CartPole-v1", observation_key="state")
+    assert err.value.key == "workers.env_kwargs"
+
+
 def test_gym_wrappers_wrap_every_sub_env_in_order():
     """env_kwargs.wrappers: import paths, or { path, kwargs } tables, applied to each sub-env in order."""
     env = Gym(ctx(num_envs=3), id="gym_goal_env:Goal-v0", length=5,

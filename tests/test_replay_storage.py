@@ -757,3 +757,24 @@ def test_a_non_blocking_sample_while_the_first_chunk_is_in_flight_copies_no_rows
             slots.commit(rp.rows(store.schema, slots.index))
         batch = reader.sample(256)
         assert not rp.bad_rows(batch, reader.schema).any() and len(copies) <= 3
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_free_space_refuses_early_only_on_a_memory_file_system(shm_dir, monkeypatch, memory):
+    """Without root: the statvfs reading is trusted on tmpfs (where allocating first fills the
+    RAM other processes share) and left to the allocation elsewhere (btrfs, ZFS and network file
+    systems report estimates, or nothing)."""
+    from ingestd.errors import StorageFull
+    from ingestd.replay import files
+
+    monkeypatch.setattr(files, "free_space", lambda path: (1 << 20, memory))
+    allocated = []
+    real = files.allocate_file
+    monkeypatch.setattr(files, "allocate_file", lambda file, size: allocated.append(file) or real(file, size))
+    if memory:
+        with pytest.raises(StorageFull, match="only 1.0 MiB free"):
+            ReplayStorage.create(shm_dir / "r", rp.spec("cartpole"), 1 << 16)
+        assert allocated == []
+    else:
+        with ReplayStorage.create(shm_dir / "r", rp.spec("cartpole"), 1 << 16):
+            assert allocated

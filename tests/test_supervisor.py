@@ -39,6 +39,19 @@ class Sleeper:
         self._popen.wait()
 
 
+class Failer(Sleeper):
+    """A worker that exits 1 (as one reporting its error does) when ``stop`` is called."""
+
+    def __init__(self):
+        self._popen = subprocess.Popen(["sh", "-c", "read x; exit 1"], stdin=subprocess.PIPE)
+        self.pid = self._popen.pid
+
+    def stop(self) -> None:
+        if self._popen.stdin and not self._popen.stdin.closed:
+            self._popen.stdin.close()
+        self._popen.wait()
+
+
 @pytest.fixture
 def sleepers(tmp_path):
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
@@ -376,31 +389,34 @@ def test_a_failed_worker_is_retried_after_failed_retry_s_with_a_fresh_budget(sle
     assert ("worker.restarted", {"worker": 0, "reason": "retry after failed", "after_s": 0.0}) in events
 
 
-@pytest.mark.parametrize("collected_s, reset_s, failed", [
-    (2.0, 10.0, True),  # dies a few chunks in every time: a crash loop, marked failed at the budget
-    (12.0, 10.0, False),  # collected past restart_reset_s each time: a fresh count every death
-    (2.0, 0.0, False),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
+@pytest.mark.parametrize("collected_s, reset_s, own, failed, delays", [
+    (2.0, 10.0, True, True, [0.1, 0.2]),  # fails on its own a few chunks in every time: marked failed
+    (2.0, 10.0, False, False, [0.1, 0.2, 0.4]),  # killed from outside after writing: later and later only
+    (12.0, 10.0, True, False, [0.1] * 3),  # collected past restart_reset_s each time: a fresh count
+    (2.0, 0.0, True, False, [0.1] * 3),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
 ])
-def test_a_worker_dying_soon_after_its_first_chunk_counts_against_the_budget(tmp_path, collected_s, reset_s, failed):
+def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(tmp_path, collected_s, reset_s,
+                                                                                own, failed, delays):
     """A worker that wrote a chunk and then died the same way every time (an env failing at step
     17, a NaN reward every 40 steps) reset its failure count with each chunk: it was restarted for
     ever at the first backoff, rebuilding its env every time (custom-env review: 27 restarts in
-    8 s). Its death now counts unless it had collected for workers.restart_reset_s, and the
-    backoff grows with the count."""
+    8 s). Unless it had collected for workers.restart_reset_s, its death now grows the backoff and,
+    when it failed on its own (an error it reported), counts against the budget; a worker killed
+    from outside (SIGKILL, the OOM killer) is never marked failed for it."""
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
     policy = RestartPolicy(heartbeat_timeout_s=1e9, backoff_s=0.1, backoff_max_s=10.0, budget=3, reset_s=reset_s)
     supervisor = Supervisor(lambda i: None, stats, policy, clock=lambda: now[0])
     procs = []
 
-    def start(index, slot):  # a sleeper stands in for the worker process
+    def start(index, slot):  # a sleeper stands in for the worker process: it exits 1, or is SIGKILLed
         slot.start_at, slot.collecting_since = None, None
         stats.reset(index)
-        procs.append(Sleeper())
+        procs.append(Failer() if own else Sleeper())
         slot.process = procs[-1]
         stats[index]["state"], stats[index]["pid"] = State.RUNNING, slot.process.pid
     supervisor._start = start
-    delays = []
+    got = []
     try:
         supervisor.scale(1)
         for _ in range(policy.budget):
@@ -409,15 +425,15 @@ def test_a_worker_dying_soon_after_its_first_chunk_counts_against_the_budget(tmp
             stats[0]["chunks"] = 1
             supervisor.tick()  # sees its first chunk
             now[0] += collected_s
-            stats.set_error(0, "RuntimeError: the same fault again")
+            stats.set_error(0, "RuntimeError: the same fault again" if own else "")
             slot.process.stop()
             supervisor.tick()  # reaps it
             if stats.state(0) == State.FAILED:
                 break
-            delays.append(round(slot.start_at - now[0], 3))
+            got.append(round(slot.start_at - now[0], 3))
             now[0] = slot.start_at
         assert (stats.state(0) == State.FAILED) is failed
-        assert delays == ([0.1, 0.2] if failed else [0.1] * policy.budget)
+        assert got == delays
     finally:
         for proc in procs:
             proc.stop()

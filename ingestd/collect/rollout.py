@@ -112,7 +112,6 @@ class Rollout:
         self._floats: list[tuple] = []  # keys of the float leaves scanned for NaN (checks.scanned)
         self._width = 0  # leaves per transition (stamps included)
         self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
-        self._pairs: list[tuple] = []  # (root key, next key) of the leaves in both (see _check_fresh)
         self._fresh_checks = _FRESH_CHUNKS  # chunks whose steps are checked for reused env buffers
         self._root = env.reset()
 
@@ -143,6 +142,7 @@ class Rollout:
         for t in range(steps):
             self._stamp(root, t)
             acted = policy(root)
+            before = _snapshot(acted) if self._fresh_checks else None
             try:
                 transition, root = env.step_and_maybe_reset(acted)
             except Exception:  # (free unless raised) an action the env could not take explains it
@@ -156,8 +156,8 @@ class Rollout:
                 eager = self._eager_targets(into)
             if len(leaves) != self._width:
                 raise EnvFault(self._keys_changed(leaves, t))
-            if self._fresh_checks:
-                _check_fresh(leaves, self._pairs)
+            if before is not None:
+                _check_fresh(leaves, before)
             done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
@@ -167,6 +167,12 @@ class Rollout:
                 torch.add(episode[t], done, alpha=self._n, out=episode[t + 1])
         self._root = root
         self._fresh_checks = max(0, self._fresh_checks - 1)
+        return self._rows_of(per_step, dones, eager)
+
+    def _rows_of(self, per_step: list[dict], dones: list[torch.Tensor], eager: list[tuple]
+                 ) -> tuple[TensorDict, Finished]:
+        """The chunk's rows from its steps' leaves (the small ones stacked into their buffers,
+        the large ones already copied), checked, and the episodes that ended in it."""
         torch.stack(dones, out=self._dones)
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
@@ -236,8 +242,6 @@ class Rollout:
             raise RuntimeError(f"the transitions lost the stamps {sorted(missing)}; an env must keep the "
                                "root's ('ingestd', ...) entries")
         self._rows, self._width = rows, len(first)
-        self._pairs = [(k[1] if len(k) == 2 else k[1:], k) for k in first if isinstance(k, tuple) and k[0] == "next"
-                       and (k[1] if len(k) == 2 else k[1:]) in first]
 
     def _keys_changed(self, leaves: dict, t: int) -> str:
         """Which keys a step's transition gained or lost against the chunk's first one."""
@@ -286,18 +290,29 @@ class Rollout:
         return finished
 
 
-def _check_fresh(leaves: dict, pairs: list[tuple]) -> None:
-    """Refuse a transition whose next leaf is the very memory of the root leaf it stepped from:
-    the env overwrote, in place, a tensor it returned on the step before (a frame stack rolled in
-    its own buffer), so the rows would show each step's new values for both (pixel-DQN review:
-    every stored row had observation == next observation, with no error)."""
-    for root_key, next_key in pairs:
-        before, after = leaves[root_key], leaves[next_key]
-        if before.data_ptr() == after.data_ptr() and after.numel() and before.shape == after.shape:
-            raise EnvFault(f"the env returned the same tensor memory for {root_key!r} (in the root it stepped "
-                           f"from) and {next_key!r}: it writes a new step into a buffer it returned before (a frame "
-                           "stack rolled in place?), so the stored rows would hold the new values for both; return "
-                           "a fresh tensor every step (torch.roll or .clone() of the buffer)")
+def _snapshot(root: TensorDictBase) -> dict:
+    """Copies of the root's leaves as the env is handed them (its stamps and action aside)."""
+    return {key: leaf.clone() for key, leaf in _leaves_of(root).items()
+            if key != "action" and not (isinstance(key, tuple) and key[0] == "ingestd")
+            and isinstance(leaf, torch.Tensor)}
+
+
+def _check_fresh(leaves: dict, before: dict) -> None:
+    """Refuse a step that wrote into a tensor the env had handed out before, and returned it as
+    the next leaf: the root leaf it stepped from is the very memory of the next one, and its values
+    changed during the step (``before``: copies taken when the env was handed the root). The rows
+    would hold the new values for both (pixel-DQN review: a frame stack rolled in its own buffer
+    stored observation == next observation in every row, without an error). A tensor handed out
+    again unchanged (a constant goal, a cached flag) is fine."""
+    for key, old in before.items():
+        nxt = ("next", *key) if isinstance(key, tuple) else ("next", key)
+        after, root = leaves.get(nxt), leaves.get(key)
+        if (isinstance(after, torch.Tensor) and isinstance(root, torch.Tensor) and after.numel()
+                and after.data_ptr() == root.data_ptr() and after.shape == root.shape and not torch.equal(root, old)):
+            raise EnvFault(f"the env wrote step values into the tensor it had returned for {key!r} and returned it "
+                           f"again as {nxt!r}: the stored rows would hold the new values for both (e.g. a frame "
+                           "stack rolled in place); return a fresh tensor every step (torch.roll, or .clone() of "
+                           "the buffer)")
 
 
 def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:

@@ -188,17 +188,45 @@ def allocate(path: Path, schema: dict[Key, Leaf], capacity: int, need: int) -> N
 
 
 def check_room(path: Path, capacity: int, need: int) -> None:
-    """Refuse, before allocating anything, a replay the file system has no room for: allocating
-    it first filled the tmpfs to the last block (other users of /dev/shm got ENOSPC or SIGBUS
-    meanwhile) before the allocation failed. A file system that reports no sizes is left to
-    ``allocate``."""
+    """Refuse, before allocating anything, a replay a memory file system (tmpfs) has no room for:
+    allocating it first filled the tmpfs to the last block (other users of /dev/shm got ENOSPC or
+    SIGBUS meanwhile) before the allocation failed. Elsewhere the allocation itself decides (free
+    space is an estimate on btrfs or ZFS, and some network file systems report none)."""
+    room = free_space(path)
+    if room is not None and room[1] and room[0] < need:
+        raise no_room(path, capacity, need, None, f"only {human_bytes(room[0])} free")
+
+
+def free_space(path: Path) -> tuple[int, bool] | None:
+    """``(bytes this process may still allocate, whether it is a memory file system)`` where
+    ``path`` is or would be created (its nearest existing ancestor); None if that cannot be told.
+    Root may use the blocks reserved for it."""
     try:
-        fs = os.statvfs(path)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        fs = os.statvfs(existing) if existing is not None else None
+    except OSError:  # no access to look
+        return None
+    if fs is None or not fs.f_blocks:
+        return None
+    free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
+    return free, _memory_fs(existing)
+
+
+def _memory_fs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs or ramfs (the mount with the longest matching mount point)."""
+    try:
+        resolved = str(path.resolve())
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
-        return
-    free = fs.f_bavail * fs.f_frsize
-    if fs.f_blocks and free < need:
-        raise no_room(path, capacity, need, None, f"only {free / 2**20:.1f} MiB free")
+        return False
+    under = [(point, kind) for point, kind in mounts
+             if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
+    return bool(under) and max(under, key=lambda m: len(m[0]))[1] in ("tmpfs", "ramfs")
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def no_room(path: Path, capacity: int, need: int, exc: OSError | None, why: str = "") -> StorageFull:

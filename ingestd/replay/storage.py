@@ -37,6 +37,11 @@ from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_nam
 log = logging.getLogger("ingestd.replay")
 
 
+def storage_bytes(schema: dict[Key, Leaf], capacity: int) -> int:
+    """The bytes a storage of ``schema`` and ``capacity`` takes: its files and its priority tree."""
+    return files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
+
+
 def schema_of(example_or_spec: TensorDictBase | Mapping) -> dict[Key, Leaf]:
     """A schema from an example TensorDict (one row, or a batch of rows) or from a
     ``{key: (shape, dtype)}`` mapping. The ingestd stamps are always added."""
@@ -175,7 +180,7 @@ class ReplayStorage(MappedStore):
                 raise FileExistsError(f"{path} already holds a replay storage; use ReplayStorage.open")
             if any(p.name not in files.CREATION_FILES for p in path.iterdir()):
                 raise FileExistsError(f"{path} exists and is not empty; choose an empty or new directory")
-            need = files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
+            need = storage_bytes(schema, capacity)
             files.check_room(path, capacity, need)
             files.allocate(path, schema, capacity, need)
             try:  # the tree too, before meta.json: a storage that does not fit leaves nothing behind

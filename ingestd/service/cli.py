@@ -108,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 2
 
 
+def _config_check(args, cfg) -> int:
+    """``ingestd config check FILE``: what ``run`` checks first, and the replay it would make."""
+    from ingestd.service.probe import check_buildable, replay_room
+
+    checked = cfg.load_config(args.file, args.overrides)
+    paths = cfg.resolve_paths(checked, os.environ)
+    rows, _ = check_buildable(checked, paths)
+    print(f"{args.file}: ok; {replay_room(checked, paths, rows)}")
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
@@ -127,14 +138,7 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(config_reference_markdown())
             return 0
         if args.command == "config":
-            from ingestd.service.probe import check_buildable, replay_room
-
-            checked = cfg.load_config(args.file, args.overrides)
-            paths = cfg.resolve_paths(checked, os.environ)
-            rows, _ = check_buildable(checked, paths)  # what `run` checks first
-            room = replay_room(checked, paths, rows)
-            print(f"{args.file}: ok; {room}")
-            return 0
+            return _config_check(args, cfg)
         config = cfg.load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"ingestd: config error: {exc}", file=sys.stderr)

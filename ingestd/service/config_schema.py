@@ -377,12 +377,14 @@ class WorkersConfig:
     restart_backoff_max_s: float = setting(2.0, "Upper bound of the restart delay (>= restart_backoff_s).",
                                            Float(0.0), live=True)
     restart_budget: int = setting(
-        5, "Consecutive failed starts (deaths before collecting for restart_reset_s since starting) before a "
-           "worker is marked failed.", Int(1, 1_000_000), live=True)
+        5, "Consecutive failures before a worker is marked failed: deaths before its first chunk, and deaths "
+           "of its own (an error it reported, a hang) before collecting for restart_reset_s.",
+        Int(1, 1_000_000), live=True)
     restart_reset_s: float = setting(
         10.0, "A worker that dies after collecting (writing chunks) for this long starts a fresh restart count "
-              "and backoff; dying sooner counts against restart_budget. 0 = its first chunk is enough.",
-        Float(0.0, or_equal=True), live=True)
+              "and the first backoff; dying sooner doubles the backoff, and counts against restart_budget if it "
+              "failed on its own (killed from outside, by a signal the daemon did not send, it does not). 0 = "
+              "its first chunk is enough.", Float(0.0, or_equal=True), live=True)
     action_bounds: str = setting(
         "refuse", "Actions outside the env's bounds (a Box's low/high, a discrete env's action count): refuse "
                   "(the chunk is not stored and the worker fails naming the first bad row), clip (clamped "

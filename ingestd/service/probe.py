@@ -46,34 +46,33 @@ def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False)
 
 def replay_room(config, paths, rows) -> str:
     """One line on the replay the config makes: rows, bytes per row and in all, and the free
-    space where it goes; a new replay that cannot fit there is a ``ConfigError`` naming
-    ``replay.capacity`` (``ingestd config check`` said "ok" to a 56 GB pixel replay on a 24 GB
-    tmpfs, and ``run`` failed only once it allocated)."""
-    from ingestd.replay import files, priority
-    from ingestd.replay.storage import schema_of
+    space where it goes. A new replay that cannot fit on a memory file system (tmpfs) is a
+    ``ConfigError`` naming ``replay.capacity`` (``ingestd config check`` said "ok" to a 56 GB
+    pixel replay on a 24 GB tmpfs); elsewhere the line says what the file system reports, and the
+    allocation at start decides."""
+    from ingestd.replay import files
+    from ingestd.replay.storage import schema_of, storage_bytes
 
     replay, capacity = Path(paths.replay), config.replay.capacity
-    schema = schema_of(rows)
-    need = files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
-    size = f"replay {replay}: {capacity} rows of {need // capacity} bytes, {_bytes(need)}"
-    if (replay / "meta.json").exists():
-        return f"{size} (exists: reopened)"
-    existing = next((p for p in (replay, *replay.parents) if p.exists()), None)
     try:
-        fs = os.statvfs(existing) if existing is not None else None
-    except OSError:
-        fs = None
-    if fs is None or not fs.f_blocks:
+        if (replay / "meta.json").exists():
+            return f"replay {replay} exists: reopened as it is"
+    except OSError as exc:  # a replay dir of the daemon's group, checked by someone outside it
+        return f"replay {replay}: cannot look there ({exc.strerror})"
+    need = storage_bytes(schema_of(rows), capacity)
+    size = f"replay {replay}: {capacity} rows of {need // capacity} bytes, {files.human_bytes(need)}"
+    room = files.free_space(replay)
+    if room is None:
         return size
-    free = fs.f_bavail * fs.f_frsize
-    if free < need:
-        raise ConfigError("replay.capacity", f"{size} does not fit: {_bytes(free)} free on the file system of "
-                                             f"{existing}; lower replay.capacity or choose a replay.path with room")
-    return f"{size}; {_bytes(free)} free there"
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    free, memory = room
+    if free >= need:
+        return f"{size}; {files.human_bytes(free)} free there"
+    if memory:
+        raise ConfigError("replay.capacity", f"{size} does not fit: {files.human_bytes(free)} free on the memory "
+                                             "file system there; lower replay.capacity or choose a replay.path "
+                                             "with room")
+    return (f"{size}; the file system reports only {files.human_bytes(free)} free there (the allocation at "
+            "start decides)")
 
 
 def _check_pushable(policy, max_message_bytes: int) -> None:
@@ -210,8 +209,10 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
     (``[B]`` for ``[B, 1]``) or another dtype of the same kind (int32 for int64, float64 for
     float32) is stored as the policy makes it, with a warning: envs take those, and a replay
     made that way before must keep opening."""
+    note = observation_note(spec.env, env.spec, rollout.root)  # a policy sized from the spec fails on it
     with torch.no_grad():
-        out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation",
+        out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation"
+                       + (f" ({note}: make EnvSpec.observation_shape/dtype what the env returns)" if note else ""),
                        lambda: policy(rollout.root.clone()), doing=f"policy {spec.policy}'s first action")
     action = out.get("action", None) if hasattr(out, "get") else None
     if not isinstance(action, torch.Tensor):
@@ -233,26 +234,15 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
 
 
 def _check_layout(spec: WorkerSpec, env, rows) -> None:
-    """The env's rows fit its own spec and TorchRL's layout: observations of the spec's shape and
-    dtype, ``[B, 1]`` rewards and flags. An observation with another number of elements than the
-    spec says is refused (a policy sizes its input from the spec: a [3] observation for a spec of
-    [4] was stored as it came, or failed in the policy naming workers.policy); another shape of as
-    many elements, another dtype, or ``[B]`` rewards and flags (TorchRL's losses broadcast them
-    against ``[B, 1]`` values into ``[B, B]``) are warned about: a replay made so must keep opening."""
-    want = _described(env.spec.observation_shape, env.spec.observation_dtype)
-    for key in ("observation", ("next", "observation")):
-        leaf = rows.get(key, None)
-        if not isinstance(leaf, torch.Tensor):
-            raise ConfigError("workers.env", f"env {spec.env}'s transitions have no {key!r} tensor; an env returns "
-                                             "TorchRL's layout (docs/envs.md)")
-        got = _described(leaf.shape[1:], leaf.dtype)
-        if leaf.shape[1:].numel() != math.prod(env.spec.observation_shape):
-            raise ConfigError("workers.env", f"env {spec.env} returns {got} in {key!r}, but its spec says {want}; "
-                                             "make EnvSpec.observation_shape what the env returns (policies size "
-                                             "their input from it)")
-        if got != want:
-            log.warning("env %s returns %s in %r, its spec says %s; stored as the env returns them",
-                        spec.env, got, key, want)
+    """Warn of rows that bend the env's own spec or TorchRL's layout, which were stored without a
+    word (custom-env review): observation tensors of another shape or dtype than the spec says (a
+    trainer sizing its networks from the spec goes wrong), and ``[B]`` rewards and flags (a loss
+    broadcasts them against ``[B, 1]`` values into ``[B, B]``). Warnings, not errors: a policy
+    may not use the spec at all, and a replay made so must keep opening. Envs without an
+    ``observation`` tensor (``pixels``, a nested TensorDict) are not asked for one."""
+    note = observation_note(spec.env, env.spec, rows)
+    if note:
+        log.warning("%s; stored as the env returns them", note)
     flat = [k for k in (("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated"))
             if isinstance(rows.get(k, None), torch.Tensor) and tuple(rows.get(k).shape[1:]) != (1,)]
     if flat:
@@ -260,6 +250,18 @@ def _check_layout(spec: WorkerSpec, env, rows) -> None:
                     "stored as they come, but a loss computing reward + gamma * (1 - done) * value with [B, 1] "
                     "values broadcasts them to [B, B]", spec.env, [".".join(k) for k in flat],
                     [list(rows.get(k).shape[1:]) for k in flat])
+
+
+def observation_note(name: str, env_spec, td) -> str:
+    """What the observation tensors of ``td`` (``[B, ...]``: a root, or rows) do not share with
+    ``env_spec``, or ""."""
+    want = _described(env_spec.observation_shape, env_spec.observation_dtype)
+    notes = []
+    for key in ("observation", ("next", "observation")):
+        leaf = td.get(key, None)
+        if isinstance(leaf, torch.Tensor) and _described(leaf.shape[1:], leaf.dtype) != want:
+            notes.append(f"{_described(leaf.shape[1:], leaf.dtype)} in {key!r}")
+    return f"env {name} returns {' and '.join(notes)}, its spec says {want}" if notes else ""
 
 
 def _described(shape, dtype) -> str:

@@ -2,9 +2,9 @@
 
 Runs in the daemon's main thread (workers are forked from it, and their
 ``PDEATHSIG`` is tied to it). A worker that dies is restarted after an
-exponential backoff; one that keeps dying before it has collected for
-``restart_reset_s`` (``restart_budget`` times in a row) is marked ``failed``
-and left alone while the others keep collecting.
+exponential backoff; one that keeps failing (``restart_budget`` times in a
+row) before it has collected for ``restart_reset_s`` is marked ``failed`` and
+left alone while the others keep collecting (see ``Supervisor._count``).
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class RestartPolicy:
     backoff_max_s: float = 2.0
     budget: int = 5
     failed_retry_s: float = 0.0  # a failed worker is started again after this long (0: never)
-    # a death counts against the budget (and grows the backoff) unless the worker had been
-    # collecting (written a chunk) for this long; 0: its first chunk is progress enough
+    # a death starts a fresh count and the first backoff only if the worker had been collecting
+    # (written a chunk) for this long; 0: its first chunk is progress enough (see Supervisor._count)
     reset_s: float = 10.0
 
     def backoff(self, failures: int) -> float:
@@ -44,7 +44,8 @@ class RestartPolicy:
 class Slot:
     spec: WorkerSpec
     process: mp.process.BaseProcess | None = None
-    failures: int = 0  # consecutive deaths without progress (see RestartPolicy.reset_s)
+    failures: int = 0  # consecutive failures counted against the budget (see Supervisor._count)
+    streak: int = 0  # consecutive deaths before collecting for reset_s: the backoff's exponent
     collecting_since: float | None = None  # when this incarnation was first seen to have written a chunk
     start_at: float | None = None  # pending (re)start time
     retiring: bool = False  # asked to stop for good (scale down)
@@ -113,7 +114,7 @@ class Supervisor:
             raise KeyError(f"no such worker(s) {unknown}; workers are {workers}")
         for index in chosen:
             slot = self.slots[index]
-            slot.failures = 0
+            slot.failures = slot.streak = 0
             if self.stats.state(index) == State.FAILED:
                 self._start_over(index, slot, "requested")
             elif not self._alive(slot):
@@ -169,7 +170,7 @@ class Supervisor:
         asked for (``restart``), or ``workers.failed_retry_s`` after it was marked failed (a
         simulator down for longer than the backoff left workers failed until an operator came;
         a crash-looping worker is retried this rarely, not every backoff)."""
-        slot.failures, slot.failed_at = 0, None
+        slot.failures, slot.streak, slot.failed_at = 0, 0, None
         rec = self.stats[index]
         rec["restarts"] += 1
         if reason == "requested":
@@ -206,13 +207,13 @@ class Supervisor:
 
     def _start_failed(self, index: int, slot: Slot, error: str) -> None:
         """A fork that failed counts like a worker that died before writing."""
-        slot.failures += 1
+        slot.failures, slot.streak = slot.failures + 1, slot.streak + 1
         self.stats.set_error(index, error)
         log.error("worker %d: %s; %d consecutive failure(s)", index, error, slot.failures)
         if slot.failures >= self.policy.budget:
             self._mark_failed(index, slot, error)
             return
-        slot.start_at = self._clock() + self.policy.backoff(slot.failures)
+        slot.start_at = self._clock() + self.policy.backoff(slot.streak)
 
     def _reap(self, index: int, slot: Slot, now: float) -> None:
         code = slot.process.exitcode
@@ -230,7 +231,8 @@ class Supervisor:
             slot.start_at = now
             self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
-        slot.failures = 1 if self._made_progress(slot, rec, now) else slot.failures + 1
+        # killed by a signal we did not send (SIGKILL from an operator, the OOM killer): not its own failure
+        self._count(slot, rec, now, own=not (code is not None and code < 0 and not slot.hung))
         error = self.stats.error(index)
         if not error:  # gone without a word (os._exit, a segfault, the OOM killer): status says how
             error = _exit_reason(code)
@@ -238,27 +240,35 @@ class Supervisor:
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
         if slot.failures >= self.policy.budget:
-            log.error("worker %d failed %d times in a row without collecting for %g s (workers.restart_reset_s) "
-                      "in between; marked failed: %s", index, slot.failures, self.policy.reset_s, error)
+            between = (f"collecting for {self.policy.reset_s:g} s (workers.restart_reset_s)" if self.policy.reset_s
+                       else "writing a chunk")
+            log.error("worker %d failed %d times in a row without %s in between; marked failed: %s",
+                      index, slot.failures, between, error)
             self._mark_failed(index, slot, error)
             return
         rec["restarts"] += 1
         # starting again after the backoff; until then status must not show the dead process as
         # running or paused, with its pid and an ever older heartbeat
         rec["state"], rec["pid"] = State.STARTING, 0
-        slot.start_at = now + self.policy.backoff(slot.failures)
-        self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.failures))
+        slot.start_at = now + self.policy.backoff(slot.streak)
+        self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.streak))
 
-    def _made_progress(self, slot: Slot, rec, now: float) -> bool:
-        """Whether the incarnation that died had collected for ``reset_s``: its death then starts
-        a fresh count. A worker dying a few chunks in every time (an env failing at a step, a NaN
-        every few hundred steps) is a crash loop too: one chunk used to reset the count, so it
-        was restarted for ever at the shortest backoff, rebuilding its env each time."""
-        since = slot.collecting_since
-        slot.collecting_since = None
-        if since is None and rec["chunks"] > 0:  # wrote, then died between two ticks
-            since = now
-        return since is not None and now - since >= self.policy.reset_s
+    def _count(self, slot: Slot, rec, now: float, own: bool) -> None:
+        """Count a death. One after collecting for ``reset_s`` starts afresh: failure 1, the first
+        backoff. One sooner grows the backoff (a worker dying a few chunks in every time was
+        restarted for ever at the shortest backoff, rebuilding its env each time: 27 restarts in
+        8 s), and counts against the budget if the worker failed on its own (it exited reporting
+        an error, or hung) or wrote nothing; a worker killed from outside after it wrote (a signal
+        we did not send: an operator's SIGKILL, the OOM killer) is only restarted later and
+        later, never marked failed for it."""
+        since, slot.collecting_since = slot.collecting_since, None
+        wrote = since is not None or rec["chunks"] > 0  # (wrote, then died between two ticks: now)
+        settled = wrote and now - (now if since is None else since) >= self.policy.reset_s
+        if settled:
+            slot.failures, slot.streak = 1, 1
+        else:
+            slot.failures = slot.failures + 1 if own or not wrote else 1
+            slot.streak += 1
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
         """Kill a worker silent for longer than the timeout. A hang kill restarts every other

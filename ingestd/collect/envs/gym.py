@@ -13,7 +13,7 @@ order. The first reset is seeded with ``ctx.seed``.
 
 Spaces: ``Box`` and ``Discrete`` observations, or a ``Dict`` of them: its
 ``observation_key`` entry (default ``"observation"``) is the row's
-``observation``, the other entries are rows keys of their own (root and
+``observation``, the other entries are row keys of their own (root and
 ``"next"``). ``Discrete`` actions become an int64 index ``[]`` (``0..n-1``,
 shifted by the space's ``start``), ``Box`` actions keep their shape as
 float32. ``infos`` other than the final observation are not stored.
@@ -21,6 +21,7 @@ float32. ``infos`` other than the final observation are not stored.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -64,7 +65,8 @@ class Gym(TorchEnv):
         except gymnasium.error.Error as e:  # an unknown id or version, a missing extra (box2d, atari)
             raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made: {e}") from None
         except TypeError as e:  # a make kwarg the env does not take ("unexpected keyword argument 'gg'")
-            if "keyword argument" not in str(e):
+            named = re.search(r"keyword argument '(\w+)'", str(e))
+            if named is None or named.group(1) not in gym_kwargs:  # an error in the env's own code
                 raise
             raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made with the env_kwargs "
                                                     f"{sorted(gym_kwargs)}: {e}") from None
@@ -134,6 +136,9 @@ class Observations:
     @classmethod
     def of(cls, id: str, space, spaces, observation_key: str = OBSERVATION) -> "Observations":
         if not isinstance(space, spaces.Dict):
+            if observation_key != OBSERVATION:
+                raise ConfigError("workers.env_kwargs", f"gym env {id!r}: observation_key picks an entry of a Dict "
+                                                        f"observation space, and this env's is {space}; leave it out")
             return cls({OBSERVATION: _entry(id, "", space, spaces)}, {OBSERVATION: None})
         names = list(space.spaces)
         if observation_key not in names:
@@ -191,7 +196,7 @@ def _entry(id: str, name: str, space, spaces) -> tuple[tuple[int, ...], torch.dt
 def _wrappers(entries) -> list[Callable]:
     """gymnasium wrappers by import path: ``"module:Wrapper"`` or ``{path = "module:Wrapper",
     kwargs = {...}}``, applied to each sub-env in order (``wrappers=`` of ``gymnasium.make_vec``)."""
-    if isinstance(entries, (str, Mapping)) or not isinstance(entries, (list, tuple)):
+    if not isinstance(entries, (list, tuple)):
         raise ConfigError("workers.env_kwargs", f"wrappers must be a list of import paths (\"module:Wrapper\") "
                                                 f"or tables {{ path = ..., kwargs = {{...}} }}, got {entries!r}")
     made = []
