@@ -48,7 +48,9 @@ def limit_child(case_json: str) -> None:
     import torch
 
     from bench_env_loop import Case, inprocess_rate
+    from ingestd.collect.worker import keep_heap
 
+    keep_heap()  # the workers' allocator settings: without them the Pixels limit read 2-3x low
     torch.set_num_threads(1)
     env, policy = Case(**json.loads(case_json)).build(seed=0)
     inprocess_rate(env, policy, seconds=0.3)  # warm

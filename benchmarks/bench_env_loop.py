@@ -26,6 +26,7 @@ import torch
 
 from ingestd.collect.interfaces import Env, EnvContext, Policy
 from ingestd.collect.registry import make_env, make_policy
+from ingestd.collect.worker import keep_heap
 
 
 def inprocess_rate(env: Env, policy: Policy, *, seconds: float = 2.0, warmup_steps: int = 20,
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--only", choices=sorted(CASES), action="append", help="cases to run (default: all)")
     args = parser.parse_args(argv)
+    keep_heap()  # as every worker does: the limit is the same loop under the same allocator settings
     torch.set_num_threads(args.threads)
     report = {
         "benchmark": "env_loop_inprocess", "torch_threads": args.threads, "cpu_count": os.cpu_count(),

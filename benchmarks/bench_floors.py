@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="windows per figure (median)")
     parser.add_argument("--only", choices=("pixel_gather", "pixels_store", "sample_batch_objects"), action="append")
     args = parser.parse_args(argv)
+    from ingestd.collect.worker import keep_heap
+
+    keep_heap()  # the workers' allocator settings (the bare Pixels loop reads 2-3x low without them)
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="ingestd-floors-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     report = {"benchmark": "floors", "cpu_count": os.cpu_count(), "torch": torch.__version__,

@@ -134,7 +134,11 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
 
 # -- the in-process limit ----------------------------------------------------------------------
 def measure_limit(case: IngestCase, seconds: float, repeat: int) -> dict[str, Any]:
-    """The bare env + policy loop of ``case`` in this process (wall and CPU clocks)."""
+    """The bare env + policy loop of ``case`` in this process (wall and CPU clocks), under the
+    workers' allocator settings (``keep_heap``)."""
+    from ingestd.collect.worker import keep_heap
+
+    keep_heap()
     torch.set_num_threads(1)
     env, policy = case.loop_case().build(seed=0)
     before = load()
