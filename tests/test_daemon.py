@@ -317,7 +317,8 @@ def test_config_default_and_check(tmp_path):
     good.write_text(out)
     checks = {name: subprocess.Popen([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(good),
                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for name, extra in (("ok", []), ("small", ["--set", "control.max_message_bytes=1024"]))}
+              for name, extra in (("ok", ["--set", f'service.data_dir="{tmp_path}/data"']),
+                                  ("small", ["--set", "control.max_message_bytes=1024"]))}
     outputs = {name: proc.communicate(timeout=60) for name, proc in checks.items()}
     said = {name: (outputs[name][1], proc.returncode) for name, proc in checks.items()}
     stdout = outputs["ok"][0]

@@ -264,3 +264,12 @@ def test_an_env_overwriting_a_buffer_it_returned_is_refused(fresh):
         return
     with pytest.raises(EnvFault, match=r"wrote step values into the tensor it had returned for .observation. and returned it again as \(.next., .observation.\)"):
         rollout.chunk(0)
+
+
+def test_a_constant_nan_or_a_moved_tensor_is_not_taken_for_an_in_place_write():
+    from ingestd.collect.rollout import _changed_values
+
+    goal = torch.tensor([1.0, float("nan")])
+    assert not _changed_values(goal, goal.clone())  # NaN == NaN here: the same constant
+    assert _changed_values(goal, torch.tensor([2.0, float("nan")]))
+    assert not _changed_values(goal, goal.to(torch.float64))  # not the memory that was copied

@@ -40,10 +40,11 @@ class Sleeper:
 
 
 class Failer(Sleeper):
-    """A worker that exits 1 (as one reporting its error does) when ``stop`` is called."""
+    """A worker that ends by ``how`` when ``stop`` is called: ``exit 1`` (as one reporting its
+    error does) or ``kill -SEGV $$`` (a crash of its own)."""
 
-    def __init__(self):
-        self._popen = subprocess.Popen(["sh", "-c", "read x; exit 1"], stdin=subprocess.PIPE)
+    def __init__(self, how: str = "exit 1"):
+        self._popen = subprocess.Popen(["sh", "-c", f"read x; {how}"], stdin=subprocess.PIPE)
         self.pid = self._popen.pid
 
     def stop(self) -> None:
@@ -389,14 +390,16 @@ def test_a_failed_worker_is_retried_after_failed_retry_s_with_a_fresh_budget(sle
     assert ("worker.restarted", {"worker": 0, "reason": "retry after failed", "after_s": 0.0}) in events
 
 
-@pytest.mark.parametrize("collected_s, reset_s, own, failed, delays", [
-    (2.0, 10.0, True, True, [0.1, 0.2]),  # fails on its own a few chunks in every time: marked failed
-    (2.0, 10.0, False, False, [0.1, 0.2, 0.4]),  # killed from outside after writing: later and later only
-    (12.0, 10.0, True, False, [0.1] * 3),  # collected past restart_reset_s each time: a fresh count
-    (2.0, 0.0, True, False, [0.1] * 3),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
+@pytest.mark.parametrize("collected_s, reset_s, own, failed, delays, budget", [
+    (2.0, 10.0, True, True, [0.1, 0.2], 3),  # fails on its own a few chunks in every time: marked failed
+    (2.0, 10.0, "segv", True, [0.1, 0.2], 3),  # a crash of its own (SIGSEGV) counts as its own
+    (2.0, 10.0, False, False, [0.1, 0.2, 0.4], 3),  # SIGKILLed from outside after writing: later and later only
+    (2.0, 10.0, False, False, [0.1], 1),  # ... even with a budget of 1
+    (12.0, 10.0, True, False, [0.1] * 3, 3),  # collected past restart_reset_s each time: a fresh count
+    (2.0, 0.0, True, False, [0.1] * 3, 3),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
 ])
 def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(tmp_path, collected_s, reset_s,
-                                                                                own, failed, delays):
+                                                                                own, failed, delays, budget):
     """A worker that wrote a chunk and then died the same way every time (an env failing at step
     17, a NaN reward every 40 steps) reset its failure count with each chunk: it was restarted for
     ever at the first backoff, rebuilding its env every time (custom-env review: 27 restarts in
@@ -405,21 +408,21 @@ def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(
     from outside (SIGKILL, the OOM killer) is never marked failed for it."""
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
-    policy = RestartPolicy(heartbeat_timeout_s=1e9, backoff_s=0.1, backoff_max_s=10.0, budget=3, reset_s=reset_s)
+    policy = RestartPolicy(heartbeat_timeout_s=1e9, backoff_s=0.1, backoff_max_s=10.0, budget=budget, reset_s=reset_s)
     supervisor = Supervisor(lambda i: None, stats, policy, clock=lambda: now[0])
     procs = []
 
     def start(index, slot):  # a sleeper stands in for the worker process: it exits 1, or is SIGKILLed
         slot.start_at, slot.collecting_since = None, None
         stats.reset(index)
-        procs.append(Failer() if own else Sleeper())
+        procs.append(Failer("kill -SEGV $$" if own == "segv" else "exit 1") if own else Sleeper())
         slot.process = procs[-1]
         stats[index]["state"], stats[index]["pid"] = State.RUNNING, slot.process.pid
     supervisor._start = start
     got = []
     try:
         supervisor.scale(1)
-        for _ in range(policy.budget):
+        for _ in range(max(policy.budget, len(delays))):
             supervisor.tick()  # starts it
             slot = supervisor.slots[0]
             stats[0]["chunks"] = 1
@@ -438,3 +441,10 @@ def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(
         for proc in procs:
             proc.stop()
         stats.close()
+
+
+def test_the_backoff_of_a_long_streak_stays_at_its_cap():
+    """A worker SIGKILLed from outside after every first chunk grows its streak for ever: the
+    backoff's 2 ** streak overflowed a float at death 1025 and stopped the daemon."""
+    policy = RestartPolicy(backoff_s=0.1, backoff_max_s=2.0)
+    assert policy.backoff(1) == 0.1 and policy.backoff(64) == 2.0 and policy.backoff(5000) == 2.0

@@ -308,11 +308,21 @@ def _check_fresh(leaves: dict, before: dict) -> None:
         nxt = ("next", *key) if isinstance(key, tuple) else ("next", key)
         after, root = leaves.get(nxt), leaves.get(key)
         if (isinstance(after, torch.Tensor) and isinstance(root, torch.Tensor) and after.numel()
-                and after.data_ptr() == root.data_ptr() and after.shape == root.shape and not torch.equal(root, old)):
+                and after.data_ptr() == root.data_ptr() and after.shape == root.shape and _changed_values(root, old)):
             raise EnvFault(f"the env wrote step values into the tensor it had returned for {key!r} and returned it "
                            f"again as {nxt!r}: the stored rows would hold the new values for both (e.g. a frame "
                            "stack rolled in place); return a fresh tensor every step (torch.roll, or .clone() of "
                            "the buffer)")
+
+
+def _changed_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``now`` holds other values than the copy ``before`` (NaN equal to NaN; a tensor
+    moved to another device is not the memory that was copied)."""
+    if now.device != before.device or now.dtype != before.dtype:
+        return False
+    if torch.equal(now, before):
+        return False
+    return not (now.is_floating_point() and bool(((now == before) | (now.isnan() & before.isnan())).all()))
 
 
 def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:

@@ -19,6 +19,7 @@ written (or cleared by recovery), ``2*w+1`` being written as write index
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -198,31 +199,36 @@ def check_room(path: Path, capacity: int, need: int) -> None:
 
 
 def free_space(path: Path) -> tuple[int, bool] | None:
-    """``(bytes this process may still allocate, whether it is a memory file system)`` where
-    ``path`` is or would be created (its nearest existing ancestor); None if that cannot be told.
-    Root may use the blocks reserved for it."""
+    """``(bytes a replay created at path may take, whether that is a memory file system)``: the
+    file system's free space where ``path`` is or would be created (its nearest existing
+    ancestor), plus what the files of an interrupted create there hold (``create`` truncates
+    them); None if that cannot be told."""
     try:
         existing = next((p for p in (path, *path.parents) if p.exists()), None)
         fs = os.statvfs(existing) if existing is not None else None
+        leftovers = sum((path / name).stat().st_blocks * 512 for name in (*REPLAY_FILES, "priority.bin")
+                        if (path / name).is_file()) if existing == path else 0
     except OSError:  # no access to look
         return None
     if fs is None or not fs.f_blocks:
         return None
-    free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
-    return free, _memory_fs(existing)
+    return fs.f_bavail * fs.f_frsize + leftovers, _memory_fs(existing)
+
+
+_MEMORY_FS = (0x01021994, 0x858458F6)  # statfs f_type of tmpfs and ramfs (linux/magic.h)
 
 
 def _memory_fs(path: Path) -> bool:
-    """Whether ``path`` lies on a tmpfs or ramfs (the mount with the longest matching mount point)."""
+    """Whether ``path`` lies on a tmpfs or ramfs, from ``statfs``'s ``f_type`` (the file system
+    really mounted there: over-mounts, bind mounts and escaped mount points need no lookup)."""
     try:
-        resolved = str(path.resolve())
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
-    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):
         return False
-    under = [(point, kind) for point, kind in mounts
-             if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
-    return bool(under) and max(under, key=lambda m: len(m[0]))[1] in ("tmpfs", "ramfs")
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS
 
 
 def human_bytes(n: int) -> str:

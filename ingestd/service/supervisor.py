@@ -37,7 +37,7 @@ class RestartPolicy:
     reset_s: float = 10.0
 
     def backoff(self, failures: int) -> float:
-        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** min(max(0, failures - 1), 60))
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Supervisor:
             slot.failures = slot.streak = 0
             if self.stats.state(index) == State.FAILED:
                 self._start_over(index, slot, "requested")
-            elif not self._alive(slot):
+            elif slot.process is None:  # waiting for its restart: now
                 slot.start_at = self._clock()
                 self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             else:
@@ -231,15 +231,17 @@ class Supervisor:
             slot.start_at = now
             self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
-        # killed by a signal we did not send (SIGKILL from an operator, the OOM killer): not its own failure
-        self._count(slot, rec, now, own=not (code is not None and code < 0 and not slot.hung))
+        # killed from outside (an operator's SIGKILL or SIGTERM, the OOM killer): not its own failure; a
+        # crash of its own (SIGSEGV, SIGABRT, SIGBUS...) or a hang kill is
+        external = code in (-signal.SIGKILL, -signal.SIGTERM) and not slot.hung
+        counted = self._count(slot, rec, now, own=not external)
         error = self.stats.error(index)
         if not error:  # gone without a word (os._exit, a segfault, the OOM killer): status says how
             error = _exit_reason(code)
             self.stats.set_error(index, error)
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
         self._on_event("worker.died", worker=index, exitcode=code, error=error)
-        if slot.failures >= self.policy.budget:
+        if counted and slot.failures >= self.policy.budget:
             between = (f"collecting for {self.policy.reset_s:g} s (workers.restart_reset_s)" if self.policy.reset_s
                        else "writing a chunk")
             log.error("worker %d failed %d times in a row without %s in between; marked failed: %s",
@@ -253,22 +255,25 @@ class Supervisor:
         slot.start_at = now + self.policy.backoff(slot.streak)
         self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.streak))
 
-    def _count(self, slot: Slot, rec, now: float, own: bool) -> None:
+    def _count(self, slot: Slot, rec, now: float, own: bool) -> bool:
         """Count a death. One after collecting for ``reset_s`` starts afresh: failure 1, the first
         backoff. One sooner grows the backoff (a worker dying a few chunks in every time was
         restarted for ever at the shortest backoff, rebuilding its env each time: 27 restarts in
         8 s), and counts against the budget if the worker failed on its own (it exited reporting
-        an error, or hung) or wrote nothing; a worker killed from outside after it wrote (a signal
-        we did not send: an operator's SIGKILL, the OOM killer) is only restarted later and
-        later, never marked failed for it."""
+        an error, crashed on a signal of its own such as SIGSEGV, or hung) or wrote nothing; a
+        worker killed from outside after it wrote (SIGKILL or SIGTERM we did not send: an
+        operator, the OOM killer) is only restarted later and later, never marked failed for it.
+        Returns whether the death counts against the budget."""
         since, slot.collecting_since = slot.collecting_since, None
         wrote = since is not None or rec["chunks"] > 0  # (wrote, then died between two ticks: now)
         settled = wrote and now - (now if since is None else since) >= self.policy.reset_s
         if settled:
             slot.failures, slot.streak = 1, 1
-        else:
-            slot.failures = slot.failures + 1 if own or not wrote else 1
-            slot.streak += 1
+            return True
+        counts = own or not wrote
+        slot.failures = slot.failures + 1 if counts else 1
+        slot.streak = min(slot.streak + 1, 64)  # past the backoff's cap long before: an exponent, not a count
+        return counts
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:
         """Kill a worker silent for longer than the timeout. A hang kill restarts every other
