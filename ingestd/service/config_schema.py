@@ -378,12 +378,12 @@ class WorkersConfig:
                                            Float(0.0), live=True)
     restart_budget: int = setting(
         5, "Consecutive failures before a worker is marked failed: deaths before its first chunk, and deaths "
-           "of its own (an error it reported, a hang) before collecting for restart_reset_s.",
-        Int(1, 1_000_000), live=True)
+           "of its own (an error it exited with, a crash such as SIGSEGV, a hang) before collecting for "
+           "restart_reset_s.", Int(1, 1_000_000), live=True)
     restart_reset_s: float = setting(
         10.0, "A worker that dies after collecting (writing chunks) for this long starts a fresh restart count "
               "and the first backoff; dying sooner doubles the backoff, and counts against restart_budget if it "
-              "failed on its own (killed from outside, by a signal the daemon did not send, it does not). 0 = "
+              "failed on its own (a SIGKILL or SIGTERM the daemon did not send, after a chunk, does not). 0 = "
               "its first chunk is enough.", Float(0.0, or_equal=True), live=True)
     action_bounds: str = setting(
         "refuse", "Actions outside the env's bounds (a Box's low/high, a discrete env's action count): refuse "
