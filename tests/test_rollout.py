@@ -273,3 +273,37 @@ def test_a_constant_nan_or_a_moved_tensor_is_not_taken_for_an_in_place_write():
     assert not _changed_values(goal, goal.clone())  # NaN == NaN here: the same constant
     assert _changed_values(goal, torch.tensor([2.0, float("nan")]))
     assert not _changed_values(goal, goal.to(torch.float64))  # not the memory that was copied
+
+
+class _ReusedReward(_SometimesKey):
+    """CartPole whose reward is one buffer the env writes each step's reward into (``constant``:
+    the buffer is handed out again unchanged)."""
+
+    def __init__(self, constant: bool):
+        super().__init__(at=10 ** 9)
+        self.constant, self.buf = constant, torch.zeros(ENVS, 1)
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        self.steps += 1
+        if not self.constant:
+            self.buf.fill_(self.steps)
+        transition.set(("next", "reward"), self.buf)
+        return transition, root
+
+
+@pytest.mark.parametrize("constant", [False, True])
+def test_a_small_leaf_buffer_reused_across_steps_is_refused(constant):
+    """Second review: a reward (or any small leaf) buffer the env writes into and returns every
+    step passed the root/next check, and every stored row held the chunk's last reward."""
+    from ingestd.errors import EnvFault
+
+    env = _ReusedReward(constant)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
+    if constant:
+        rows, _ = rollout.chunk(0)
+        assert bool((rows["next", "reward"] == 0).all())
+        return
+    with pytest.raises(EnvFault, match=r"same tensor memory for \('next', 'reward'\) at two steps of a chunk") as err:
+        rollout.chunk(0)
+    assert err.value.key == "workers.env"

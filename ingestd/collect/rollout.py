@@ -138,6 +138,7 @@ class Rollout:
         self._step_np[0], self._episode_np[0] = self._step, self._episode
         per_step: list[dict] = []
         dones: list[torch.Tensor] = []
+        returned: dict = {}  # (checked chunks) small leaf key -> {data_ptr: its values when first returned}
         policy, env, root, beat = self.policy, self.env, self._root, self._beat
         for t in range(steps):
             self._stamp(root, t)
@@ -158,6 +159,7 @@ class Rollout:
                 raise EnvFault(self._keys_changed(leaves, t))
             if before is not None:
                 _check_fresh(leaves, before)
+                _check_reused(leaves, self._lazy, returned)
             done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
@@ -313,6 +315,27 @@ def _check_fresh(leaves: dict, before: dict) -> None:
                            f"again as {nxt!r}: the stored rows would hold the new values for both (e.g. a frame "
                            "stack rolled in place); return a fresh tensor every step (torch.roll, or .clone() of "
                            "the buffer)")
+
+
+def _check_reused(leaves: dict, lazy: list[tuple], returned: dict) -> None:
+    """Refuse a small leaf whose memory the env returned at an earlier step of the chunk, with
+    other values now: the rows keep every step's small leaves until the chunk is stacked, so all
+    would show the last values (a reward buffer reused, two buffers alternated). The same tensor
+    handed out again unchanged (a constant) is fine. Large leaves are copied and released after
+    each step, so the env's allocator may lawfully hand their memory out again."""
+    for key, _ in lazy:
+        leaf = leaves.get(key)
+        if not isinstance(leaf, torch.Tensor) or not leaf.numel() or (isinstance(key, tuple) and key[0] == "ingestd"):
+            continue
+        seen = returned.setdefault(key, {})
+        first = seen.get(leaf.data_ptr())
+        if first is None:
+            seen[leaf.data_ptr()] = leaf.clone()
+        elif first.shape == leaf.shape and _changed_values(leaf, first):
+            who = ("the policy", "workers.policy") if key == "action" else ("the env", "workers.env")
+            raise EnvFault(f"{who[0]} returned the same tensor memory for {key!r} at two steps of a chunk, with new "
+                           "values written into it: the stored rows would all hold the last values; return a fresh "
+                           "tensor every step (.clone() of a buffer it keeps)", who[1])
 
 
 def _changed_values(now: torch.Tensor, before: torch.Tensor) -> bool:
