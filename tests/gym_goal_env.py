@@ -4,7 +4,8 @@
 Every entry is a function of (episode, step), so a stored row can be checked: ``observation``
 is ``[step, episode]``, ``achieved_goal`` ``[step]``, ``desired_goal`` ``[episode]``, and
 ``phase`` (Discrete) is ``step % 3``. Episodes terminate after ``length`` steps. ``main``
-renames the ``observation`` entry; ``nested`` adds a Dict entry, ``clash`` one named ``done``."""
+renames the ``observation`` entry; ``nested`` adds a Dict entry, ``clash`` one named ``done``.
+Infos: ``is_success`` (the episode's last step) and ``dist`` (steps left)."""
 from __future__ import annotations
 
 import gymnasium
@@ -39,7 +40,8 @@ class Goal(gymnasium.Env):
 
     def step(self, action):
         self.t += 1
-        return self._obs(), float(self.t), self.t >= self.length, False, {}
+        return self._obs(), float(self.t), self.t >= self.length, False, {"is_success": self.t >= self.length,
+                                                                             "dist": float(self.length - self.t)}
 
 
 gymnasium.register("Goal-v0", entry_point=Goal)

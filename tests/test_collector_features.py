@@ -287,7 +287,7 @@ def test_daemon_stores_a_goal_envs_dict_observations_through_wrappers():
 env = "Gym"
 policy = "Random"
 count = 1
-env_kwargs = { id = "gym_goal_env:Goal-v0", length = 4, wrappers = [
+env_kwargs = { id = "gym_goal_env:Goal-v0", length = 4, info_keys = { is_success = "bool" }, wrappers = [
     { path = "gymnasium.wrappers:ClipReward", kwargs = { max_reward = 2.0 } } ] }
 """
     tests = str(Path(__file__).parent)
@@ -303,6 +303,7 @@ env_kwargs = { id = "gym_goal_env:Goal-v0", length = 4, wrappers = [
     assert bool((nxt["phase"] == step.long() % 3).all()) and rows["phase"].dtype == torch.int64
     assert bool((nxt["reward"].view(-1) == step.clamp(max=2.0)).all())  # ClipReward(max 2) on reward = step
     assert bool((nxt["terminated"].view(-1) == (step == 4)).all())
+    assert bool((nxt["is_success"].view(-1) == (step == 4)).all())  # env_kwargs.info_keys
 
 
 def _seeded_run(seed: int, restart: bool = False):

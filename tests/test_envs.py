@@ -235,6 +235,35 @@ def test_gym_refuses_bad_dict_spaces_and_wrappers_naming_the_key(kwargs, key, me
     assert err.value.key == key
 
 
+def test_gym_info_keys_store_scalar_infos_under_next_with_the_final_steps_at_episode_ends():
+    """A goal-conditioned user's is_success was dropped with every other info (custom-env review);
+    env_kwargs.info_keys stores the named ones. At an episode's end the step's info is gymnasium's
+    final_info (the top-level infos are the reset's by then)."""
+    env = Gym(ctx(num_envs=2), id="gym_goal_env:Goal-v0", info_keys={"is_success": "bool", "dist": "float32"})
+    ended = 0
+    for transition, _ in rollout(env, 7):
+        nxt = transition["next"]
+        step = nxt["observation"][:, 0]
+        assert nxt["is_success"].dtype == torch.bool and nxt["is_success"].shape == (2, 1)
+        assert bool((nxt["is_success"].view(-1) == (step == 3)).all()), (step, nxt["is_success"])
+        assert bool((nxt["dist"].view(-1) == 3 - step).all())
+        ended += int(nxt["terminated"].any())
+    assert ended == 2
+    env.close()
+
+
+@pytest.mark.parametrize("info_keys, message", [
+    ({"is_success": "boolean"}, r"info_keys.is_success = 'boolean'"),
+    ({"done": "bool"}, r"info_keys.done = 'bool'"),
+    ({"phase": "int64"}, r"info_keys \['phase'\] are observation entries too"),
+    (["is_success"], "info_keys must be a table"),
+])
+def test_gym_refuses_bad_info_keys_naming_env_kwargs(info_keys, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Gym(ctx(), id="gym_goal_env:Goal-v0", info_keys=info_keys)
+    assert err.value.key == "workers.env_kwargs"
+
+
 def test_gym_observation_key_is_for_dict_spaces_only():
     with pytest.raises(ConfigError, match="observation_key picks an entry of a Dict observation space") as err:
         Gym(ctx(), id="CartPole-v1", observation_key="state")

@@ -16,7 +16,8 @@ Spaces: ``Box`` and ``Discrete`` observations, or a ``Dict`` of them: its
 ``observation``, the other entries are row keys of their own (root and
 ``"next"``). ``Discrete`` actions become an int64 index ``[]`` (``0..n-1``,
 shifted by the space's ``start``), ``Box`` actions keep their shape as
-float32. ``infos`` other than the final observation are not stored.
+float32. ``info_keys`` (``{name = dtype}``) stores those scalar infos under ``"next"`` (the final
+step's for a sub-env that ended); other ``infos`` are not stored.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 from ingestd.collect.envs.base import StepResult, TorchEnv
 from ingestd.collect.interfaces import EnvContext, EnvSpec
 from ingestd.collect.registry import resolve, validate_kwargs
-from ingestd.errors import ConfigError
+from ingestd.errors import ConfigError, EnvFault
 
 OBSERVATION = "observation"
 RESERVED = frozenset((OBSERVATION, "action", "done", "terminated", "truncated", "reward", "next", "ingestd"))
@@ -49,7 +50,7 @@ class Gym(TorchEnv):
     """A gymnasium vector env (sync, same-step autoreset) in the TorchRL layout."""
 
     def __init__(self, ctx: EnvContext, id: str | None = None, wrappers: Sequence = (),
-                 observation_key: str = "observation", **gym_kwargs):
+                 observation_key: str = "observation", info_keys: Mapping[str, str] | None = None, **gym_kwargs):
         gymnasium = _import_gymnasium()
         if not isinstance(id, str) or not id:  # no default: a typo'd "idd" made CartPole-v1 and failed on "idd"
             extra = f" (got the keys {sorted(gym_kwargs)})" if gym_kwargs else ""
@@ -71,7 +72,12 @@ class Gym(TorchEnv):
             raise ConfigError("workers.env_kwargs", f"gym env {id!r} could not be made with the env_kwargs "
                                                     f"{sorted(gym_kwargs)}: {e}") from None
         try:
+            self._infos = _info_keys(info_keys or {})
             self._obs = Observations.of(id, self._env.single_observation_space, gymnasium.spaces, observation_key)
+            clash = sorted(set(self._infos) & set(self._obs.entries))
+            if clash:
+                raise ConfigError("workers.env_kwargs", f"info_keys {clash} are observation entries too; name "
+                                                        "other infos")
             spec, self._action_start = _spec_of(id, self._obs, self._env.single_action_space, gymnasium.spaces)
         except ValueError:
             self._env.close()
@@ -109,6 +115,8 @@ class Gym(TorchEnv):
             final = self._obs.with_final(after, infos["final_obs"], ended)
         device = self.device
         extras = {k: v for k, v in final.items() if k != OBSERVATION}
+        for name, dtype in self._infos.items():
+            extras[name] = _info(infos, name, dtype, self.num_envs).to(device)
         return (final[OBSERVATION], torch.tensor(reward, dtype=torch.float32, device=device),
                 torch.tensor(terminated, device=device), torch.tensor(truncated, device=device), extras)
 
@@ -191,6 +199,40 @@ def _entry(id: str, name: str, space, spaces) -> tuple[tuple[int, ...], torch.dt
                                      "Box or Discrete observations, or a Dict of them (a nested space: flatten "
                                      "it with a wrapper, env_kwargs.wrappers = [\"gymnasium.wrappers:"
                                      "FlattenObservation\"])")
+
+
+_INFO_DTYPES = ("bool", "int32", "int64", "float32", "float64")
+
+
+def _info_keys(keys: Mapping[str, str]) -> dict[str, torch.dtype]:
+    """``env_kwargs.info_keys``: the infos stored, each a scalar per sub-env of the dtype given."""
+    if not isinstance(keys, Mapping):
+        raise ConfigError("workers.env_kwargs", f"info_keys must be a table of info name = dtype (one of "
+                                                f"{', '.join(_INFO_DTYPES)}), got {keys!r}")
+    out = {}
+    for name, dtype in keys.items():
+        if not isinstance(name, str) or name in RESERVED or dtype not in _INFO_DTYPES:
+            raise ConfigError("workers.env_kwargs", f"info_keys.{name} = {dtype!r}: an info is stored under its own "
+                                                    f"name (not one of {', '.join(sorted(RESERVED))}) with a dtype of "
+                                                    f"{', '.join(_INFO_DTYPES)}")
+        out[name] = getattr(torch, dtype)
+    return out
+
+
+def _info(infos: dict, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Info ``name`` of a step as ``[n, 1]``: each sub-env's value from the step's infos, the final
+    step's (``final_info``) for the sub-envs that ended and were reset in it, 0 where absent."""
+    out = torch.zeros(n, dtype=dtype)
+    for source in (infos, infos.get("final_info")):
+        if not source or name not in source or f"_{name}" not in source:
+            continue
+        values, mask = np.asarray(source[name]), np.asarray(source[f"_{name}"], dtype=bool)
+        if values.shape != (n,):
+            raise EnvFault(f"info {name!r} (env_kwargs.info_keys) is {values.shape} per step, not one scalar per "
+                           f"sub-env ({n}); store scalar infos only")
+        picked = torch.from_numpy(mask)
+        out[picked] = torch.as_tensor(values[mask]).to(dtype)
+    return out.view(n, 1)
 
 
 def _wrappers(entries) -> list[Callable]:
