@@ -295,8 +295,7 @@ class Rollout:
 def _snapshot(root: TensorDictBase) -> dict:
     """Copies of the root's leaves as the env is handed them (its stamps and action aside)."""
     return {key: leaf.clone() for key, leaf in _leaves_of(root).items()
-            if key != "action" and not (isinstance(key, tuple) and key[0] == "ingestd")
-            and isinstance(leaf, torch.Tensor)}
+            if key != "action" and key not in _STAMP_KEYS and isinstance(leaf, torch.Tensor)}
 
 
 def _check_fresh(leaves: dict, before: dict) -> None:
@@ -323,9 +322,9 @@ def _check_reused(leaves: dict, lazy: list[tuple], returned: dict) -> None:
     would show the last values (a reward buffer reused, two buffers alternated). The same tensor
     handed out again unchanged (a constant) is fine. Large leaves are copied and released after
     each step, so the env's allocator may lawfully hand their memory out again."""
-    for key, _ in lazy:
+    for key, _ in lazy:  # (the stamps are the rollout's own buffers, never among them)
         leaf = leaves.get(key)
-        if not isinstance(leaf, torch.Tensor) or not leaf.numel() or (isinstance(key, tuple) and key[0] == "ingestd"):
+        if not isinstance(leaf, torch.Tensor) or not leaf.numel():
             continue
         seen = returned.setdefault(key, {})
         first = seen.get(leaf.data_ptr())

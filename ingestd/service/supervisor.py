@@ -265,14 +265,14 @@ class Supervisor:
         operator, the OOM killer) is only restarted later and later, never marked failed for it.
         Returns whether the death counts against the budget."""
         since, slot.collecting_since = slot.collecting_since, None
-        wrote = since is not None or rec["chunks"] > 0  # (wrote, then died between two ticks: now)
-        settled = wrote and now - (now if since is None else since) >= self.policy.reset_s
+        wrote = since is not None or rec["chunks"] > 0  # wrote, then died between two ticks: collected 0 s
+        settled = wrote and (0.0 if since is None else now - since) >= self.policy.reset_s
         if settled:
             slot.failures, slot.streak = 1, 1
             return True
         counts = own or not wrote
         slot.failures = slot.failures + 1 if counts else 1
-        slot.streak = min(slot.streak + 1, 64)  # past the backoff's cap long before: an exponent, not a count
+        slot.streak += 1  # (RestartPolicy.backoff caps its exponent)
         return counts
 
     def _check_heartbeat(self, index: int, slot: Slot, now: float) -> None:

@@ -137,9 +137,10 @@ class Observations:
     root and under ``"next"`` (TorchRL's layout for goal-conditioned envs: ``achieved_goal``,
     ``desired_goal``)."""
 
-    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], source: dict[str, str | None]):
-        self.entries = entries  # row key -> (shape per sub-env, dtype); OBSERVATION first
-        self.source = source  # row key -> the Dict space's key (None: the space is not a Dict)
+    def __init__(self, entries: dict[str, tuple[str | None, tuple[int, ...], torch.dtype]]):
+        # row key -> (the Dict space's key, None when the space is not a Dict; shape per sub-env;
+        # dtype), OBSERVATION first
+        self.entries = entries
 
     @classmethod
     def of(cls, id: str, space, spaces, observation_key: str = OBSERVATION) -> "Observations":
@@ -147,14 +148,13 @@ class Observations:
             if observation_key != OBSERVATION:
                 raise ConfigError("workers.env_kwargs", f"gym env {id!r}: observation_key picks an entry of a Dict "
                                                         f"observation space, and this env's is {space}; leave it out")
-            return cls({OBSERVATION: _entry(id, "", space, spaces)}, {OBSERVATION: None})
+            return cls({OBSERVATION: (None, *_entry(id, "", space, spaces))})
         names = list(space.spaces)
         if observation_key not in names:
             raise ConfigError("workers.env_kwargs", f"gym env {id!r}: its Dict observation space has the entries "
                                                     f"{names}, none named {observation_key!r}; set env_kwargs."
                                                     "observation_key to the entry the policy acts on")
-        entries = {OBSERVATION: _entry(id, observation_key, space[observation_key], spaces)}
-        source: dict[str, str | None] = {OBSERVATION: observation_key}
+        entries = {OBSERVATION: (observation_key, *_entry(id, observation_key, space[observation_key], spaces))}
         for name in names:
             if name == observation_key:
                 continue
@@ -162,27 +162,27 @@ class Observations:
                 raise ConfigError("workers.env", f"gym env {id!r}: its Dict observation entry {name!r} would "
                                                  f"overwrite a row key ({', '.join(sorted(RESERVED))}); rename it "
                                                  "with a wrapper (env_kwargs.wrappers)")
-            entries[name], source[name] = _entry(id, name, space[name], spaces), name
-        return cls(entries, source)
+            entries[name] = (name, *_entry(id, name, space[name], spaces))
+        return cls(entries)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.entries[OBSERVATION][0]
+        return self.entries[OBSERVATION][1]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.entries[OBSERVATION][1]
+        return self.entries[OBSERVATION][2]
 
     def tensors(self, obs, n: int, device) -> dict[str, torch.Tensor]:
         """The vector env's observation (an array, or a dict of arrays) as ``[n, ...]`` tensors."""
         return {key: torch.tensor(obs if src is None else obs[src], dtype=dtype, device=device).view(n, *shape)
-                for (key, (shape, dtype)), src in zip(self.entries.items(), self.source.values())}
+                for key, (src, shape, dtype) in self.entries.items()}
 
     def with_final(self, after: dict[str, torch.Tensor], final_obs, ended: np.ndarray) -> dict[str, torch.Tensor]:
         """``after`` with the rows of the sub-envs ``ended`` replaced by their final observations."""
         final = {key: value.clone() for key, value in after.items()}
         for i in ended:
-            for key, src in self.source.items():
+            for key, (src, _, _) in self.entries.items():
                 value = final_obs[i] if src is None else final_obs[i][src]
                 final[key][i] = torch.as_tensor(np.asarray(value), dtype=final[key].dtype)
         return final
