@@ -111,16 +111,17 @@ DONE_LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("steps", [1, 7])
 @pytest.mark.parametrize("layout", DONE_LAYOUTS)
-def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout):
-    steps, envs, base = 7, 5, 9 << 32
+def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps):
+    envs, base = 5, 9 << 32
     env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base))
     if DONE_LAYOUTS[layout] is not None:
         env = DoneAs(env, DONE_LAYOUTS[layout])
     rollout = Rollout(env, Random(env.spec, seed=1), 2, base, steps)
     ret, step, episode = [0.0] * envs, [0] * envs, [base + i for i in range(envs)]
     total_finished = 0
-    for version in range(6):
+    for version in range(42 // steps):
         rows, finished = rollout.chunk(version)
         rows = rows.reshape(steps, envs)
         returns, lengths = [], []
@@ -138,6 +139,35 @@ def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout):
         assert (finished.returns, finished.lengths) == (returns, lengths)  # exactly
         total_finished += len(returns)
     assert total_finished > 10
+
+
+class OwnIngestdKeys:
+    """An env that reads the root's stamps if any, and puts its own leaves under ``"ingestd"``."""
+
+    def __init__(self, env):
+        self.env, self.num_envs, self.spec = env, env.num_envs, env.spec
+        self.saw_stamps = False
+
+    def reset(self):
+        return self.env.reset()
+
+    def step_and_maybe_reset(self, td):
+        self.saw_stamps |= "ingestd" in td.keys()
+        transition, root = self.env.step_and_maybe_reset(td)
+        transition.set(("ingestd", "step"), torch.full((self.num_envs,), -7, dtype=torch.int64))
+        transition.set(("ingestd", "tag"), torch.full((self.num_envs,), 5, dtype=torch.int64))
+        return transition, root
+
+
+def test_the_env_does_not_see_the_stamps_and_its_own_ingestd_leaves_keep_or_yield():
+    """The stamps are set on the rows after the chunk (Env's contract): an env's leaf of a stamp's
+    name yields to the stamp, any other leaf under "ingestd" is stored as it is."""
+    env = OwnIngestdKeys(Noisy(EnvContext(num_envs=3, seed=1, worker=0, episode_base=0)))
+    rollout = Rollout(env, Random(env.spec, seed=1), 0, 0, 4)
+    rows, _ = rollout.chunk(0)
+    assert not env.saw_stamps
+    assert rows["ingestd", "step"].view(4, 3)[:, 0].tolist() != [-7] * 4
+    assert rows["ingestd", "step"].min() >= 0 and rows["ingestd", "tag"].eq(5).all()
 
 
 def test_episode_ids_are_unique_over_sub_envs_workers_and_incarnations():

@@ -64,9 +64,9 @@ class Env(Protocol):
     ``reset()`` returns the first root TensorDict ``[num_envs]``: ``observation``
     (plus any extra keys) and ``done``/``terminated``/``truncated`` all False.
 
-    ``step_and_maybe_reset(td)`` takes a root td holding ``action`` (and the
-    worker's ``("ingestd", ...)`` stamps: worker, env, episode, step) and returns
-    ``(transition, next_root)``:
+    ``step_and_maybe_reset(td)`` takes a root td holding ``action`` and returns
+    ``(transition, next_root)`` (the worker sets the rows' ``("ingestd", ...)``
+    stamps after each chunk: the env and the policy do not see them):
 
     - ``transition``: the input root plus ``"next"`` with ``observation`` (the true
       final observation where an episode ended), ``reward``, ``done``,
