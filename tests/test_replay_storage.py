@@ -61,6 +61,42 @@ def test_round_trip(shm_dir, kind):
         assert (exact.get(WI).numpy() % 64 == np.arange(64)).all()
 
 
+STAMPS = ["env", "episode", "policy_version", "step", "worker"]  # the record's order (sorted)
+
+
+def _interleaved_rows(n: int, order: list[str], gap: int = 0) -> TensorDict:
+    """Rows whose stamps are the columns of one [n, 5 + gap] int64 buffer, in ``order``."""
+    width = len(order) + gap
+    buf = torch.arange(n * width, dtype=torch.int64).view(n, width) * 10
+    stamps = TensorDict({name: buf[:, i] for i, name in enumerate(order)}, batch_size=[n])
+    return TensorDict({"ingestd": stamps, "x": torch.rand(n, 2)}, batch_size=[n])
+
+
+@pytest.mark.parametrize("order,gap,runs", [
+    (STAMPS, 0, [STAMPS]),  # the record's order and the memory's agree: one item
+    # env and episode swapped in memory: only the three after them lie side by side in both
+    (STAMPS[1:2] + STAMPS[:1] + STAMPS[2:], 0, [["env"], ["episode"], STAMPS[2:]]),
+    (STAMPS, 1, [STAMPS]),  # a gap after the last: the rows' stride is wider, the run the same
+])
+def test_leaves_side_by_side_in_memory_are_packed_as_one_item_and_read_back_exactly(shm_dir, order, gap, runs):
+    from ingestd.replay import packing
+    from ingestd.replay.storage import flat_leaves
+
+    n = 48
+    rows = _interleaved_rows(n, order, gap)
+    with ReplayStorage.create(shm_dir / "r", rows, capacity=64) as store:
+        planned = [keys for _, _, keys in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
+        assert [[k[1] for k in keys] for keys in planned if keys[0][0] == "ingestd" and keys[0] != WI] == runs
+        store.write(rows)
+        store.write(rows[:40])  # wraps the ring: two segments
+    with ReplayReader(shm_dir / "r") as reader:
+        got = reader.gather(np.arange(64))
+    by_index = np.argsort(got.get(WI).numpy())
+    want = torch.cat([rows[24:], rows[:40]])  # write indices 24..87 survive in the 64 slots
+    for key in [("ingestd", k) for k in STAMPS] + [("x",)]:
+        assert torch.equal(got.get(key)[by_index], want.get(key)), key
+
+
 def test_sample_is_owned_by_the_caller(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=2) as reader, PayloadStorage.open(path) as store:

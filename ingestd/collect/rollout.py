@@ -80,17 +80,19 @@ class Rollout:
         self._episode = episode_base + np.arange(n, dtype=np.int64)
         self._step = np.zeros(n, dtype=np.int64)
         self._return = np.zeros(n, dtype=np.float64)
-        # the stamps of a whole chunk, one [T, B] int64 buffer per field
-        stamps = torch.empty((len(_STAMPS), t, n), dtype=torch.int64)
-        self._stamps = dict(zip(_STAMPS, stamps.unbind(0)))
+        # the stamps of a whole chunk: one [T, B, 5] int64 buffer, its fields in the storage record's
+        # order (sorted names), so the storage packs all five as one item (ingestd.replay.packing)
+        names = sorted(_STAMPS)
+        stamps = torch.empty((t, n, len(names)), dtype=torch.int64)
+        self._stamps = dict(zip(names, stamps.unbind(-1)))
         self._stamps["worker"].fill_(worker)
         self._stamps["env"].copy_(torch.arange(n, dtype=torch.int64).expand(t, n))
         self._step_np, self._episode_np = self._stamps["step"].numpy(), self._stamps["episode"].numpy()
         self._starts = np.empty((t, n), dtype=np.int64)  # (_stamp_chunk) the step each row's episode began
         self._t_col = np.arange(t, dtype=np.int64)[:, None]
         # the episode accounting's [T, B] done flags and returns; numpy views for the accounting itself
-        self._dones = torch.empty((t, n, 1), dtype=torch.bool)  # each step's done, stacked once per chunk
-        self._done = self._dones.view(t, n).numpy()
+        self._done_buffer: torch.Tensor | None = None  # the ("next", "done") buffer self._done views
+        self._done = np.zeros((t, n), dtype=bool)  # (_done_flags) each step's done, per chunk
         self._returns_t = torch.empty((t, n), dtype=torch.float64)
         self._returns = self._returns_t.numpy()
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
@@ -122,7 +124,6 @@ class Rollout:
         steps = self.chunk_steps
         self._stamps["policy_version"].fill_(policy_version)
         per_step: list[dict] = []
-        dones: list[torch.Tensor] = []
         returned: dict = {}  # (checked chunks) small leaf key -> {data_ptr: its values when first returned}
         policy, env, root, beat = self.policy, self.env, self._root, self._beat
         for t in range(steps):
@@ -144,26 +145,23 @@ class Rollout:
             if before is not None:
                 _check_fresh(leaves, before)
                 _check_reused(leaves, self._lazy, returned)
-            done = _done_of(leaves, self._n)
             _copy_eager(eager, leaves, t)
             per_step.append(leaves)
-            dones.append(done)
         self._root = root
         self._fresh_checks = max(0, self._fresh_checks - 1)
-        return self._rows_of(per_step, dones, eager)
+        return self._rows_of(per_step, eager)
 
-    def _rows_of(self, per_step: list[dict], dones: list[torch.Tensor], eager: list[tuple]
-                 ) -> tuple[TensorDict, Finished]:
+    def _rows_of(self, per_step: list[dict], eager: list[tuple]) -> tuple[TensorDict, Finished]:
         """The chunk's rows from its steps' leaves (the small ones stacked into their buffers,
         the large ones already copied), checked, and the episodes that ended in it."""
-        torch.stack(dones, out=self._dones)
-        self._stamp_chunk()
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
             try:
                 torch.stack(parts, out=buf)
             except (RuntimeError, TypeError):  # torch's message does not name the key
                 raise EnvFault(_changed(key, buf, parts)) from None
+        self._done_flags()
+        self._stamp_chunk()
         rows = self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
         for key, _, dest in eager:
             if dest is not None:
@@ -173,6 +171,21 @@ class Rollout:
         return rows, finished
 
     # -- stamping ---------------------------------------------------------------------------
+    def _done_flags(self) -> None:
+        """``self._done`` (numpy bool ``[T, B]``): whether each step ended its sub-env's episode,
+        from the chunk's ``("next", "done")`` buffer: that buffer itself in TorchRL's layout
+        (bool ``[B, 1]`` on the CPU), else any of a sub-env's entries."""
+        buf = self._leaves.get(_DONE)
+        if buf is None:
+            raise EnvFault("the env's transitions have no ('next', 'done') entry")
+        t, n = self.chunk_steps, self._n
+        if buf.dtype == torch.bool and buf.shape[1:] == (n, 1) and buf.is_cpu:
+            if self._done_buffer is not buf:  # new buffers (the first chunk, or changed leaves)
+                self._done_buffer, self._done = buf, buf.view(t, n).numpy()
+            return
+        flags = buf.reshape(t, n, -1).any(-1)  # any() of uint8 is uint8
+        self._done = flags.to(device="cpu", dtype=torch.bool).numpy()
+
     def _stamp_chunk(self) -> None:
         """The chunk's ``episode`` and ``step`` stamps, from its done flags and the state carried
         in: sub-env i's episode goes up by ``num_envs`` after each done, and its step counts from
@@ -390,13 +403,3 @@ def _pick(leaves: dict, key) -> torch.Tensor:
     except KeyError:
         raise RuntimeError(f"the env's transitions do not all have the key {key}; every step must "
                            "produce the same keys") from None
-
-
-def _done_of(leaves: dict, n: int) -> torch.Tensor:
-    """``done [B, 1]`` (bool, on the CPU) of one transition: any of the ``("next", "done")`` entries of a sub-env."""
-    done = leaves.get(_DONE)
-    if done is None:
-        raise EnvFault("the env's transitions have no ('next', 'done') entry")
-    if done.dtype != torch.bool or done.shape != (n, 1):  # anything but the TorchRL layout
-        done = done.reshape(n, -1).any(-1, keepdim=True).to(torch.bool)  # any() of uint8 is uint8
-    return done if done.is_cpu else done.cpu()
