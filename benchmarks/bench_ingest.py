@@ -74,6 +74,7 @@ class IngestCase:
     chunk_steps: int
     capacity: int
     warm_laps: float = 0.0  # also warm up until the ring was filled this many times (first-touch page faults)
+    n_step: int = 1  # workers.n_step (rows stored as n-step windows, ingestd.collect.nstep)
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -88,24 +89,26 @@ class IngestCase:
             out["workers.env_kwargs"] = dict(self.env_kwargs)
         if self.policy_kwargs:
             out["workers.policy_kwargs"] = dict(self.policy_kwargs)
+        if self.n_step > 1:
+            out["workers.n_step"] = self.n_step
         return out
 
     def describe(self) -> dict[str, Any]:
         return {"env": self.env, "env_kwargs": self.env_kwargs, "policy": self.policy,
                 "policy_kwargs": self.policy_kwargs, "num_envs": self.num_envs,
                 "chunk_steps": self.chunk_steps, "replay_capacity": self.capacity,
-                "warm_laps": self.warm_laps}
+                "warm_laps": self.warm_laps, "n_step": self.n_step}
 
 
 def make_cases(args) -> dict[str, IngestCase]:
-    t = args.chunk_steps
+    t, n = args.chunk_steps, getattr(args, "n_step", 1)
     return {
-        "cartpole": IngestCase("cartpole", "CartPole", "MLP", 256, t, 1_000_000, policy_kwargs=MLP),
+        "cartpole": IngestCase("cartpole", "CartPole", "MLP", 256, t, 1_000_000, policy_kwargs=MLP, n_step=n),
         "gym_cartpole": IngestCase("gym_cartpole", "Gym", "MLP", args.gym_envs, t, 1_000_000,
-                                   env_kwargs={"id": "CartPole-v1"}, policy_kwargs=MLP),
+                                   env_kwargs={"id": "CartPole-v1"}, policy_kwargs=MLP, n_step=n),
         # a Pixels row is ~56 KB (observation and next observation): a 16384-row ring is 0.9 GB of
         # tmpfs; the window starts after one full lap, when every page of the ring exists
-        "pixels": IngestCase("pixels", "Pixels", "Random", args.pixels_envs, t, 16_384, warm_laps=1.0),
+        "pixels": IngestCase("pixels", "Pixels", "Random", args.pixels_envs, t, 16_384, warm_laps=1.0, n_step=n),
     }
 
 
@@ -328,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunk-steps", type=int, default=16, help="workers.chunk_steps of the cases")
     parser.add_argument("--gym-envs", type=int, default=64, help="num_envs of the gymnasium CartPole case")
     parser.add_argument("--pixels-envs", type=int, default=64, help="num_envs of the Pixels case")
+    parser.add_argument("--n-step", type=int, default=1, help="workers.n_step of the cases (the limit stays the plain loop)")
     parser.add_argument("--sweep", dest="sweep", action="store_true", default=None,
                         help="run the CartPole num_envs x chunk_steps sweep (default: not with --quick)")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")

@@ -81,8 +81,16 @@ def nstep_reference(w, i, e, s, n: int, gamma: float) -> dict:
             "terminated": end and bool(terminates), "truncated": end and not bool(terminates)}
 
 
-@pytest.mark.parametrize("n, chunk_steps", [(3, 2), (3, 5), (5, 8), (2, 1)])
-def test_nstep_rows_match_a_hand_computed_reference_across_chunk_boundaries(n, chunk_steps):
+def _into(rows, transform, chunk_steps: int, num_envs: int) -> dict:
+    """Fresh ``[K * B, ...]`` targets for the observation leaves, as reserved slots would be."""
+    n = transform.ready_steps(chunk_steps) * num_envs
+    return {key: torch.full((n, *rows.get(key).shape[1:]), -1, dtype=rows.get(key).dtype)
+            for key in (("observation",), ("next", "observation"))}
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["gathered", "into slots"])
+@pytest.mark.parametrize("n, chunk_steps", [(3, 2), (3, 5), (5, 8), (2, 1), (4, 1)])
+def test_nstep_rows_match_a_hand_computed_reference_across_chunk_boundaries(n, chunk_steps, into):
     gamma, num_envs = 0.5, 3
     env = Checksum(EnvContext(num_envs=num_envs, seed=0, worker=1, episode_base=7 << 32))
     rollout = Rollout(env, Random(env.spec, seed=0), 1, 7 << 32, chunk_steps)
@@ -90,7 +98,10 @@ def test_nstep_rows_match_a_hand_computed_reference_across_chunk_boundaries(n, c
     for _ in range(12):
         rows, _ = rollout.chunk(3)
         plain.append(rows.clone())
-        out.append(transform(rows))
+        slots = _into(rows, transform, chunk_steps, num_envs) if into else None
+        out.append(transform(rows, into=slots))
+        if slots and out[-1].batch_size[0]:
+            assert all(out[-1].get(key) is dest for key, dest in slots.items())  # written there, not copied
     held = transform.held_steps
     assert held == n - 1
     flushed = transform.flush()

@@ -21,6 +21,9 @@ the shorter windows they have, so nothing collected is lost.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
@@ -43,14 +46,47 @@ class NStep:
     def held_steps(self) -> int:
         return 0 if self._held is None else self._held.batch_size[0]
 
-    def __call__(self, rows: TensorDictBase) -> TensorDictBase:
-        """The rows whose windows are complete (``[K * B]``); holds the rest."""
+    def ready_steps(self, steps: int) -> int:
+        """How many steps the next call emits for a chunk of ``steps`` steps."""
+        return max(0, self.held_steps + steps - (self.n - 1))
+
+    def __call__(self, rows: TensorDictBase, into: Mapping[tuple, torch.Tensor] | None = None) -> TensorDictBase:
+        """The rows whose windows are complete (``[K * B]``, ``K = ready_steps``); holds the rest.
+
+        ``into`` maps keys of large leaves (images) to ``[K * B, ...]`` tensors, the storage's
+        reserved slots (``ReplayStorage.reserved``): those leaves are written there, straight
+        from the chunk, and the rows returned hold them. Without it the held steps and the
+        chunk are concatenated and every leaf is gathered from that: for image rows, three
+        more copies of each image than the slots need."""
         b = self.num_envs
         chunk = rows.reshape(rows.batch_size[0] // b, b)
-        combined = chunk.clone() if self._held is None else torch.cat([self._held, chunk], 0)
-        ready = max(0, combined.batch_size[0] - (self.n - 1))
-        out = window(combined, ready, self.n, self.gamma)
-        self._held = combined[ready:]
+        ready = self.ready_steps(chunk.batch_size[0])
+        large = _fitting(chunk, into, ready * b)
+        if ready == 0 or not large:
+            combined = chunk.clone() if self._held is None else torch.cat([self._held, chunk], 0)
+            out = window(combined, ready, self.n, self.gamma)
+            self._held = combined[ready:]
+            return out
+        held = self._held
+        small = chunk.exclude(*large)
+        combined = small.clone() if held is None else torch.cat([held.exclude(*large), small], 0)
+        last, out = _windows(combined, ready, self.n, self.gamma)
+        h = min(self.held_steps, ready)  # emitted steps that were held; the chunk's first ready - h follow
+        for key in large:
+            dest = into[key].view(ready, b, *into[key].shape[1:])
+            if key[0] == "next":  # each window's last step
+                _gather_steps(dest, last, None if held is None else held.get(key), chunk.get(key), self.n)
+            else:  # each emitted step's root
+                if h:
+                    _copy(dest[:h], held.get(key)[:h])
+                _copy(dest[h:], chunk.get(key)[:ready - h])
+        steps = chunk.batch_size[0]  # the last n - 1 steps are held for the next call (copies: the
+        # chunk's buffers are the rollout's, overwritten by the next chunk)
+        self._held = chunk[steps - (self.n - 1):].clone() if steps >= self.n - 1 \
+            else torch.cat([held, chunk], 0)[ready:].clone()
+        out = out.reshape(ready * b)
+        for key in large:
+            out.set(key, into[key])
         return out
 
     def flush(self) -> TensorDictBase | None:
@@ -64,6 +100,12 @@ class NStep:
 def window(steps: TensorDictBase, count: int, n: int, gamma: float) -> TensorDictBase:
     """n-step rows for the first ``count`` steps of ``steps`` ``[L, B]`` (windows cut at ``L``
     and at episode ends), flattened to ``[count * B]``."""
+    return _windows(steps, count, n, gamma)[1].reshape(count * steps.batch_size[1])
+
+
+def _windows(steps: TensorDictBase, count: int, n: int, gamma: float) -> tuple[torch.Tensor, TensorDictBase]:
+    """``(last, rows)``: for each of the first ``count`` steps of ``steps`` ``[L, B]`` and each
+    sub-env, the step its window ends at (``[count, B]``), and the n-step rows ``[count, B]``."""
     length, b = steps.batch_size
     nxt = steps.get("next")
     reward = nxt.get("reward")
@@ -87,7 +129,48 @@ def window(steps: TensorDictBase, count: int, n: int, gamma: float) -> TensorDic
     ahead.set("reward", total.to(reward.dtype).reshape(count, b, *reward.shape[2:]))
     out.set("next", ahead)
     out.set(STEPS_KEY, steps_taken.unsqueeze(-1))
-    return out.reshape(count * b)
+    return last, out
+
+
+def _fitting(chunk: TensorDictBase, into: Mapping[tuple, torch.Tensor] | None, rows: int) -> list[tuple]:
+    """Keys of ``into`` whose tensors fit ``rows`` rows of the chunk's leaf (else gathered as usual)."""
+    if not into:
+        return []
+    keys = []
+    for key, dest in into.items():
+        leaf = chunk.get(key, None)
+        if (isinstance(leaf, torch.Tensor) and dest.shape == (rows, *leaf.shape[2:]) and dest.dtype == leaf.dtype
+                and dest.device == leaf.device and dest.is_contiguous()):
+            keys.append(key)
+    return keys
+
+
+def _gather_steps(dest: torch.Tensor, last: torch.Tensor, held: torch.Tensor | None, chunk: torch.Tensor,
+                  n: int) -> None:
+    """``dest[t, i] = (held ++ chunk)[last[t, i], i]`` without concatenating anything. A whole
+    window of step ``t`` ends at ``t + n - 1``, always inside the chunk (the held steps are its
+    ``n - 1`` predecessors at most): one contiguous copy fills every row, and the rows whose
+    window an episode's end cut short are then gathered one by one."""
+    count, b = dest.shape[:2]
+    h = 0 if held is None else held.shape[0]
+    _copy(dest, chunk[n - 1 - h:n - 1 - h + count])
+    cut = (last != torch.arange(count)[:, None] + (n - 1)).reshape(-1).nonzero().squeeze(1)
+    if cut.numel() == 0:
+        return
+    ends, envs = last.reshape(-1)[cut], cut % b
+    rows = dest.flatten(0, 1)
+    in_held = ends < h
+    if bool(in_held.any()):
+        rows[cut[in_held]] = held[ends[in_held], envs[in_held]]
+    rest = ~in_held
+    rows[cut[rest]] = chunk[ends[rest] - h, envs[rest]]
+
+
+def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
+    if dest.is_cpu and source.is_cpu:
+        np.copyto(dest.numpy(), source.numpy())
+    else:
+        dest.copy_(source)
 
 
 def schema_rows(rows: TensorDictBase, n: int, gamma: float) -> TensorDictBase:

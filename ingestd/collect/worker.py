@@ -207,12 +207,20 @@ class Worker:
         """Roll one chunk and store it; returns the frames collected and the finished episodes."""
         version = self.extras.before_chunk(rollout, storage, self.version)
         self._written_version = self.version
-        if storage.has_columns and self.extras.nstep is None:
-            # large leaves (images) are rolled straight into their reserved slots: one copy fewer
-            with storage.reserved(rollout.rows_per_chunk) as slots:
-                rows, finished = rollout.chunk(version, into=slots.columns)
+        nstep = self.extras.nstep
+        emitted = (rollout.rows_per_chunk if nstep is None
+                   else nstep.ready_steps(rollout.chunk_steps) * rollout.env.num_envs)
+        if storage.has_columns and emitted:
+            # large leaves (images) go straight into their reserved slots: rolled there, or with
+            # n-step copied and gathered there from the chunk (ingestd.collect.nstep)
+            with storage.reserved(emitted) as slots:
+                if nstep is None:
+                    rows, finished = rollout.chunk(version, into=slots.columns)
+                else:
+                    rows, finished = rollout.chunk(version)
+                    rows = nstep(rows, into=slots.columns)
                 slots.commit(rows)
-            return slots.n, finished
+            return rollout.rows_per_chunk, finished
         rows, finished = rollout.chunk(version)
         storage.write(self.extras.stored(rows))
         return rows.batch_size[0], finished

@@ -54,7 +54,7 @@ def runs(plan: list[tuple], leaves: dict, n: int, filled: dict) -> Iterator[tupl
             continue
         if run is not None:
             yield run[0], run[1], run[2]
-        run = [offset, width, [key], None, None] if where is None else [offset, width, [key], where[0] + width, where[1]]
+        run = [offset, width, [key], *((None, None) if where is None else (where[0] + width, where[1]))]
     if run is not None:
         yield run[0], run[1], run[2]
 
