@@ -347,11 +347,17 @@ def test_one_worker_with_a_fixed_seed_stores_identical_data_twice():
     assert f"seed {seeds[0]}" in log and f"seed {seeds[1]}" in log
 
 
-def test_daemon_stores_nstep_rows_matching_the_reference():
+def rows_of(env: str) -> int:
+    """Tile rows of each observation: 1 for Checksum, 64 for the image-sized one."""
+    return 64 if env.startswith("image_checksum") else 1
+
+
+@pytest.mark.parametrize("env", ["Checksum", "image_checksum:make"])  # rows written, or images into slots
+def test_daemon_stores_nstep_rows_matching_the_reference(env):
     n, gamma, num_envs = 3, 0.5, 8
-    overrides = {"workers.env": "Checksum", "workers.policy": "Random", "workers.count": 1,
+    overrides = {"workers.env": env, "workers.policy": "Random", "workers.count": 1,
                  "workers.n_step": n, "workers.gamma": gamma, "workers.total_frames": 6 * CHUNK}
-    with DaemonProc(overrides=overrides) as d:
+    with DaemonProc(overrides=overrides, env={"PYTHONPATH": str(Path(__file__).parent)}) as d:
         d.wait_ready()
         with ControlClient(d.control_address, timeout=10) as client:
             collected = wait_status(client, budget_spent, 30, "the budget pause").workers[0].frames
@@ -367,7 +373,8 @@ def test_daemon_stores_nstep_rows_matching_the_reference():
             ref = nstep_reference(w, i, e, s, steps, gamma)
         assert steps == ref["steps"], r
         assert float(rows["next", "reward"][r, 0]) == pytest.approx(ref["reward"], abs=1e-5)
-        assert rows["next", "observation"][r].tolist() == ref["next_obs"]
+        assert rows["next", "observation"][r].reshape(-1, 4).tolist() == [ref["next_obs"]] * rows_of(env)
+        assert rows["observation"][r].reshape(-1, 4).tolist() == [[w, i, e, s]] * rows_of(env)
         assert [bool(rows["next", f][r, 0]) for f in ("done", "terminated", "truncated")] == \
             [ref["done"], ref["terminated"], ref["truncated"]]
 
