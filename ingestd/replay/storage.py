@@ -373,17 +373,25 @@ class ReplayStorage(MappedStore):
     def _fill(self, index: np.ndarray, batch: TensorDictBase) -> None:
         """Copy the rows into their reserved slots (a separate step so tests can stall it).
 
-        The small leaves are packed into records in a staging buffer, which then lands in
-        the ring with one memcpy per segment; large leaves are copied column by column."""
+        The small leaves are packed straight into the ring's records (one strided copy per leaf,
+        or per run of leaves side by side: ``ingestd.replay.packing``); a batch that wraps the
+        ring is packed into a staging buffer first, which lands with one memcpy per segment.
+        Packing into the ring saves that memcpy, ~4 % of a 256-env CartPole worker's time here.
+        Large leaves are copied column by column."""
         leaves = flat_leaves(batch)
         n = index.size
         segments = self._segments(int(index[0]), n)
-        if self._stage.size < n:
-            self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
-        stage, record = self._stage[:n], self._layout.record_bytes
-        packing.pack(stage, record, self._fields, self._plan, leaves, n, {WRITE_INDEX: index})
-        for dst, part in segments:
-            self._records[dst] = stage[part]
+        record = self._layout.record_bytes
+        if len(segments) == 1:  # straight into the ring's records (their padding stays as created: 0)
+            packing.pack(self._records[segments[0][0]], record, self._fields, self._plan, leaves, n,
+                         {WRITE_INDEX: index})
+        else:
+            if self._stage.size < n:
+                self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
+            stage = self._stage[:n]
+            packing.pack(stage, record, self._fields, self._plan, leaves, n, {WRITE_INDEX: index})
+            for dst, part in segments:
+                self._records[dst] = stage[part]
         for key in self._layout.columns:  # numpy's copy: ~20% faster than torch's copy_ for images here
             src, column, target = leaves[key], self.leaves[key], self._arrays[key]
             for dst, part in segments:
