@@ -120,8 +120,11 @@ def test_a_push_whose_worker_dies_before_applying_it_says_so():
                  "workers.heartbeat_timeout_s": 10.0, "replay.capacity": 10_000, "metrics.enabled": False}
     with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         with ControlClient(d.control_address, timeout=5.0) as c:
-            frames = wait_for(lambda: c.status().workers[0].frames or None, 60, "a first chunk", interval=0.05)
-            wait_for(lambda: c.status().workers[0].frames > frames, 30, "a chunk boundary", interval=0.05)
+            def frames_now():  # None until the supervisor lists its worker (status may come first)
+                workers = c.status().workers
+                return workers[0].frames if workers else None
+            frames = wait_for(lambda: frames_now() or None, 60, "a first chunk", interval=0.05)
+            wait_for(lambda: frames_now() > frames, 30, "a chunk boundary", interval=0.05)
             pid = c.status().workers[0].pid  # ~3 s until it applies a new version
             replies: list = []
             pusher = threading.Thread(target=lambda: replies.append(

@@ -97,6 +97,42 @@ def test_leaves_side_by_side_in_memory_are_packed_as_one_item_and_read_back_exac
         assert torch.equal(got.get(key)[by_index], want.get(key)), key
 
 
+def _check_round_trip(store, reader_path, rows) -> None:
+    store.write(rows)
+    with ReplayReader(reader_path) as reader:
+        got = reader.gather(np.arange(rows.batch_size[0]))
+    by_index = np.argsort(got.get(WI).numpy())
+    for key in [("ingestd", k) for k in STAMPS] + [("x",)]:
+        assert torch.equal(got.get(key)[by_index], rows.get(key)), key
+
+
+def test_leaves_adjacent_in_memory_at_another_row_stride_are_not_merged(shm_dir):
+    """env's row 0 ends where episode's begins, but episode's rows are 8 bytes apart, not 40:
+    copied as one item, episode would read env's stride (every fifth value)."""
+    n = 6
+    rows = _interleaved_rows(n, STAMPS)
+    buf = torch.arange(1, 5 * n + 2, dtype=torch.int64)
+    rows.set(("ingestd", "env"), buf[0:5 * n:5])
+    rows.set(("ingestd", "episode"), buf[1:n + 1])
+    with ReplayStorage.create(shm_dir / "r", rows, capacity=8) as store:
+        from ingestd.replay import packing
+        from ingestd.replay.storage import flat_leaves
+        planned = [keys for _, _, keys in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
+        assert [("ingestd", "env")] in planned and [("ingestd", "episode")] in planned
+        _check_round_trip(store, shm_dir / "r", rows)
+
+
+def test_a_leaf_whose_rows_are_not_contiguous_is_not_merged(shm_dir):
+    """A [n, 2] leaf viewed out of a transposed buffer: row bytes not contiguous, copied on its own."""
+    n = 6
+    wide = torch.arange(2 * n, dtype=torch.float32).view(2, n).t()  # [n, 2], inner stride n
+    rows = TensorDict({"ingestd": _interleaved_rows(n, STAMPS)["ingestd"], "x": wide}, batch_size=[n])
+    from ingestd.replay import packing
+    assert packing.row_bytes_at(wide) is None and packing.row_bytes_at(wide.contiguous()) is not None
+    with ReplayStorage.create(shm_dir / "r", rows, capacity=8) as store:
+        _check_round_trip(store, shm_dir / "r", rows)
+
+
 def test_sample_is_owned_by_the_caller(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=2) as reader, PayloadStorage.open(path) as store:

@@ -111,13 +111,34 @@ DONE_LAYOUTS = {
 }
 
 
+class Regrowing:
+    """An env whose extra leaf changes its width every chunk: the rollout makes new buffers each time."""
+
+    def __init__(self, env, chunk_steps: int):
+        self.env, self.chunk_steps, self.calls = env, chunk_steps, 0
+        self.num_envs, self.spec = env.num_envs, env.spec
+
+    def reset(self):
+        return self.env.reset()
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.env.step_and_maybe_reset(td)
+        width = 1 + (self.calls // self.chunk_steps) % 2
+        transition.set(("next", "extra"), torch.zeros(self.num_envs, width))
+        self.calls += 1
+        return transition, root
+
+
+@pytest.mark.parametrize("regrow", [False, True], ids=["same buffers", "new buffers every chunk"])
 @pytest.mark.parametrize("steps", [1, 7])
 @pytest.mark.parametrize("layout", DONE_LAYOUTS)
-def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps):
+def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps, regrow):
     envs, base = 5, 9 << 32
     env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base))
     if DONE_LAYOUTS[layout] is not None:
         env = DoneAs(env, DONE_LAYOUTS[layout])
+    if regrow:
+        env = Regrowing(env, steps)
     rollout = Rollout(env, Random(env.spec, seed=1), 2, base, steps)
     ret, step, episode = [0.0] * envs, [0] * envs, [base + i for i in range(envs)]
     total_finished = 0

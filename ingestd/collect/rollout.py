@@ -6,8 +6,9 @@ A chunk is ``chunk_steps`` transitions of every sub-env, flattened to rows
 
 The hot path is built to add as little as possible to the env and policy:
 
-- the stamps live in per-field ``[chunk_steps, num_envs]`` int64 buffers made
-  once and are filled once per chunk, after it: ``worker`` and ``env`` never
+- the stamps live in one ``[chunk_steps, num_envs, 5]`` int64 buffer made once
+  (its fields in the storage record's order, so they are packed as one item)
+  and are filled once per chunk, after it: ``worker`` and ``env`` never
   change, ``policy_version`` is one fill, and ``episode``/``step`` follow from
   the chunk's ``[T, B]`` done flags with a cumulative sum and a cumulative max
   (a handful of numpy ops per chunk). Nothing is done per step: three small

@@ -1,10 +1,10 @@
 """Packing a batch's small leaves into the storage's records (``files.Layout.fields``).
 
 Each small leaf of a row lives at a fixed byte offset of the row's record; a
-batch's leaves are copied into a staging array of records, one strided copy
-per leaf (``ReplayStorage._fill`` then lands it in the ring with one memcpy per
-segment). The per-element cost of those strided copies dominates a write of
-small rows, so leaves that lie side by side in the record *and* in the batch's
+batch's leaves are copied into the ring's records (or, for a batch that wraps
+the ring, a staging array that ``ReplayStorage._fill`` then lands with one
+memcpy per segment), one strided copy per leaf. The per-element cost of those
+strided copies dominates a write of small rows, so leaves that lie side by side in the record *and* in the batch's
 memory (the rollout keeps the stamps as one ``[rows, 5]`` buffer in the
 record's order) are copied as one opaque item: one pass instead of five.
 """
