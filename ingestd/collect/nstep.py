@@ -67,7 +67,13 @@ class NStep:
             out = window(combined, ready, self.n, self.gamma)
             self._held = combined[ready:]
             return out
-        held = self._held
+        return self._into_slots(chunk, ready, large, into)
+
+    def _into_slots(self, chunk: TensorDictBase, ready: int, large: list[tuple],
+                    into: Mapping[tuple, torch.Tensor]) -> TensorDictBase:
+        """``__call__`` with the ``large`` leaves written into ``into``: the small leaves'
+        windows as usual, each image copied or gathered once, straight from the chunk."""
+        b, held = self.num_envs, self._held
         small = chunk.exclude(*large)
         combined = small.clone() if held is None else torch.cat([held.exclude(*large), small], 0)
         last, out = _windows(combined, ready, self.n, self.gamma)
