@@ -357,7 +357,10 @@ def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
         if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
             raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
                                f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
-        rows[t].copy_(leaf)
+        if leaf.is_cpu and rows[t].is_cpu and not leaf.requires_grad:
+            np.copyto(rows[t].numpy(), leaf.numpy())  # numpy's memcpy: faster than torch's copy_ here
+        else:
+            rows[t].copy_(leaf)
 
 
 def _leaves_of(td: TensorDictBase) -> dict:
