@@ -358,3 +358,13 @@ def test_a_small_leaf_buffer_reused_across_steps_is_refused(constant):
     with pytest.raises(EnvFault, match=r"same tensor memory for \('next', 'reward'\) at two steps of a chunk") as err:
         rollout.chunk(0)
     assert err.value.key == "workers.env"
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16], ids=["numpy's copy", "torch's (no numpy dtype)"])
+def test_large_leaves_are_copied_into_their_rows_whatever_their_dtype_and_strides(dtype):
+    from ingestd.collect.rollout import _copy_eager
+
+    rows = torch.zeros(2, 64, 1024, dtype=dtype)
+    for leaf in (torch.ones(64, 1024, dtype=dtype), torch.full((1024, 64), 2, dtype=dtype).t()):
+        _copy_eager([("observation", rows.unbind(0), None)], {"observation": leaf}, 1)
+        assert torch.equal(rows[1], leaf) and not rows[0].any()

@@ -53,6 +53,9 @@ _REWARD = ("next", "reward")
 # a leaf at least this large per step (an image batch) is copied into its buffer right after
 # the step, while still in cache, and released so the env's allocator reuses the memory
 _EAGER_BYTES = 64 << 10
+# dtypes numpy copies (not bfloat16, for one): large leaves of these are copied with numpy's copy
+_NUMPY_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+                           torch.float16, torch.float32, torch.float64))
 _FRESH_CHUNKS = 2  # an env reusing its buffers does so from its first steps: checking these is enough
 
 
@@ -357,7 +360,7 @@ def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
         if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
             raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
                                f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
-        if leaf.is_cpu and rows[t].is_cpu and not leaf.requires_grad:
+        if leaf.dtype in _NUMPY_DTYPES and leaf.is_cpu and rows[t].is_cpu and not leaf.requires_grad:
             np.copyto(rows[t].numpy(), leaf.numpy())  # numpy's memcpy: faster than torch's copy_ here
         else:
             rows[t].copy_(leaf)
