@@ -85,7 +85,7 @@ def test_leaves_side_by_side_in_memory_are_packed_as_one_item_and_read_back_exac
     n = 48
     rows = _interleaved_rows(n, order, gap)
     with ReplayStorage.create(shm_dir / "r", rows, capacity=64) as store:
-        planned = [keys for _, _, keys in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
+        planned = [keys for _, _, keys, _ in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
         assert [[k[1] for k in keys] for keys in planned if keys[0][0] == "ingestd" and keys[0] != WI] == runs
         store.write(rows)
         store.write(rows[:40])  # wraps the ring: two segments
@@ -117,7 +117,7 @@ def test_leaves_adjacent_in_memory_at_another_row_stride_are_not_merged(shm_dir)
     with ReplayStorage.create(shm_dir / "r", rows, capacity=8) as store:
         from ingestd.replay import packing
         from ingestd.replay.storage import flat_leaves
-        planned = [keys for _, _, keys in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
+        planned = [keys for _, _, keys, _ in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
         assert [("ingestd", "env")] in planned and [("ingestd", "episode")] in planned
         _check_round_trip(store, shm_dir / "r", rows)
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import numpy as np
 import torch
 from tensordict import TensorDictBase
+
+from ingestd.collect.rollout import copy_into
 
 STEPS_KEY = "steps_to_next_obs"
 _REWARD = ("next", "reward")
@@ -84,12 +85,12 @@ class NStep:
                 _gather_steps(dest, last, None if held is None else held.get(key), chunk.get(key), self.n)
             else:  # each emitted step's root
                 if h:
-                    _copy(dest[:h], held.get(key)[:h])
-                _copy(dest[h:], chunk.get(key)[:ready - h])
+                    copy_into(dest[:h], held.get(key)[:h])
+                copy_into(dest[h:], chunk.get(key)[:ready - h])
         steps = chunk.batch_size[0]  # the last n - 1 steps are held for the next call (copies: the
         # chunk's buffers are the rollout's, overwritten by the next chunk)
         self._held = chunk[steps - (self.n - 1):].clone() if steps >= self.n - 1 \
-            else torch.cat([held, chunk], 0)[ready:].clone()
+            else torch.cat([held, chunk], 0)[ready:]  # (cat made new memory)
         out = out.reshape(ready * b)
         for key in large:
             out.set(key, into[key])
@@ -159,7 +160,7 @@ def _gather_steps(dest: torch.Tensor, last: torch.Tensor, held: torch.Tensor | N
     window an episode's end cut short are then gathered one by one."""
     count, b = dest.shape[:2]
     h = 0 if held is None else held.shape[0]
-    _copy(dest, chunk[n - 1 - h:n - 1 - h + count])
+    copy_into(dest, chunk[n - 1 - h:n - 1 - h + count])
     cut = (last != torch.arange(count)[:, None] + (n - 1)).reshape(-1).nonzero().squeeze(1)
     if cut.numel() == 0:
         return
@@ -170,13 +171,6 @@ def _gather_steps(dest: torch.Tensor, last: torch.Tensor, held: torch.Tensor | N
         rows[cut[in_held]] = held[ends[in_held], envs[in_held]]
     rest = ~in_held
     rows[cut[rest]] = chunk[ends[rest] - h, envs[rest]]
-
-
-def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
-    if dest.is_cpu and source.is_cpu:
-        np.copyto(dest.numpy(), source.numpy())
-    else:
-        dest.copy_(source)
 
 
 def schema_rows(rows: TensorDictBase, n: int, gamma: float) -> TensorDictBase:

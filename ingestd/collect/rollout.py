@@ -360,10 +360,16 @@ def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
         if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
             raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
                                f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
-        if leaf.dtype in _NUMPY_DTYPES and leaf.is_cpu and rows[t].is_cpu and not leaf.requires_grad:
-            np.copyto(rows[t].numpy(), leaf.numpy())  # numpy's memcpy: faster than torch's copy_ here
-        else:
-            rows[t].copy_(leaf)
+        copy_into(rows[t], leaf)
+
+
+def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``dest[...] = source`` of the same shape and dtype: numpy's copy where numpy can (CPU
+    tensors of its dtypes, no grad), ~5 % faster than torch's ``copy_`` for image batches here."""
+    if source.dtype in _NUMPY_DTYPES and source.is_cpu and dest.is_cpu and not source.requires_grad:
+        np.copyto(dest.numpy(), source.numpy())
+    else:
+        dest.copy_(source)
 
 
 def _leaves_of(td: TensorDictBase) -> dict:

@@ -4,9 +4,10 @@ Each small leaf of a row lives at a fixed byte offset of the row's record; a
 batch's leaves are copied into the ring's records (or, for a batch that wraps
 the ring, a staging array that ``ReplayStorage._fill`` then lands with one
 memcpy per segment), one strided copy per leaf. The per-element cost of those
-strided copies dominates a write of small rows, so leaves that lie side by side in the record *and* in the batch's
-memory (the rollout keeps the stamps as one ``[rows, 5]`` buffer in the
-record's order) are copied as one opaque item: one pass instead of five.
+strided copies dominates a write of small rows, so leaves that lie side by side
+in the record *and* in the batch's memory (the rollout keeps the stamps as one
+``[rows, 5]`` buffer in the record's order) are copied as one opaque item: one
+pass instead of five.
 """
 from __future__ import annotations
 
@@ -38,12 +39,13 @@ def row_bytes_at(tensor: torch.Tensor) -> tuple[int, int] | None:
     return tensor.data_ptr(), tensor.stride(0) * size
 
 
-def runs(plan: list[tuple], leaves: dict, n: int, filled: dict) -> Iterator[tuple[int, int, list]]:
+def runs(plan: list[tuple], leaves: dict, n: int, filled: dict) -> Iterator[tuple[int, int, list, tuple | None]]:
     """Group ``plan`` (``(key, offset, row_bytes)`` in offset order) into runs copied as one
-    item: ``(offset, width, keys)``. A run's leaves are adjacent in the record and in memory:
-    each row's bytes of one leaf end where the next leaf's begin, at the same row stride. Keys
-    in ``filled`` (values the storage fills in) are never part of a longer run."""
-    run = None  # [offset, width, keys, address where the next leaf must begin, row stride]
+    item: ``(offset, width, keys, (address of row 0, row stride) or None)``. A run's leaves are
+    adjacent in the record and in memory: each row's bytes of one leaf end where the next leaf's
+    begin, at the same row stride. Keys in ``filled`` (values the storage fills in) are never
+    part of a longer run."""
+    run = None  # [offset, width, keys, address where the next leaf must begin, row stride, where]
     for key, offset, width in plan:
         leaf = None if key in filled else leaves.get(key)
         where = row_bytes_at(leaf) if isinstance(leaf, torch.Tensor) and leaf.shape[:1] == (n,) else None
@@ -53,32 +55,32 @@ def runs(plan: list[tuple], leaves: dict, n: int, filled: dict) -> Iterator[tupl
             run[3] += width
             continue
         if run is not None:
-            yield run[0], run[1], run[2]
-        run = [offset, width, [key], *((None, None) if where is None else (where[0] + width, where[1]))]
+            yield run[0], run[1], run[2], run[5]
+        run = [offset, width, [key], *((None, None) if where is None else (where[0] + width, where[1])), where]
     if run is not None:
-        yield run[0], run[1], run[2]
+        yield run[0], run[1], run[2], run[5]
 
 
-def pack(stage: np.ndarray, record: int, fields: dict, plan: list[tuple], leaves: dict, n: int,
+def pack(records: np.ndarray, record: int, fields: dict, plan: list[tuple], leaves: dict, n: int,
          filled: dict) -> None:
-    """Copy the rows' small leaves into ``stage`` (``n`` records of ``record`` bytes).
+    """Copy the rows' small leaves into ``records`` (``n`` of them of ``record`` bytes).
 
     ``fields``: key -> (numpy dtype, offset, row shape, row strides); ``plan``: ``(key, offset,
     row_bytes)`` in offset order; ``leaves``: key -> the batch's tensors; ``filled``: key -> a
     numpy array the storage fills in instead (the write index)."""
-    for offset, width, keys in runs(plan, leaves, n, filled):
+    for offset, width, keys, where in runs(plan, leaves, n, filled):
         if len(keys) > 1:  # side by side in memory too: one opaque item per row
-            ptr, stride = row_bytes_at(leaves[keys[0]])
-            np.ndarray((n,), f"V{width}", stage, offset, (record,))[...] = np.asarray(_Raw(ptr, n, width, stride))
+            ptr, stride = where
+            np.ndarray((n,), f"V{width}", records, offset, (record,))[...] = np.asarray(_Raw(ptr, n, width, stride))
             continue
         key = keys[0]
         dtype, _, shape, strides = fields[key]
         value = filled[key] if key in filled else as_numpy(leaves[key])
         if value.size > n and value.flags.c_contiguous:  # rows of several elements: one opaque item each
             item = np.dtype(f"V{value.nbytes // n}")
-            np.ndarray((n,), item, stage, offset, (record,))[...] = value.reshape(n, -1).view(item).reshape(n)
+            np.ndarray((n,), item, records, offset, (record,))[...] = value.reshape(n, -1).view(item).reshape(n)
         else:
-            np.ndarray((n, *shape), dtype, stage, offset, (record, *strides))[...] = value
+            np.ndarray((n, *shape), dtype, records, offset, (record, *strides))[...] = value
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:

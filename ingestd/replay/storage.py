@@ -381,17 +381,16 @@ class ReplayStorage(MappedStore):
         leaves = flat_leaves(batch)
         n = index.size
         segments = self._segments(int(index[0]), n)
-        record = self._layout.record_bytes
         if len(segments) == 1:  # straight into the ring's records (their padding stays as created: 0)
-            packing.pack(self._records[segments[0][0]], record, self._fields, self._plan, leaves, n,
-                         {WRITE_INDEX: index})
+            target = self._records[segments[0][0]]
         else:
             if self._stage.size < n:
                 self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
-            stage = self._stage[:n]
-            packing.pack(stage, record, self._fields, self._plan, leaves, n, {WRITE_INDEX: index})
+            target = self._stage[:n]
+        packing.pack(target, self._layout.record_bytes, self._fields, self._plan, leaves, n, {WRITE_INDEX: index})
+        if len(segments) > 1:
             for dst, part in segments:
-                self._records[dst] = stage[part]
+                self._records[dst] = target[part]
         for key in self._layout.columns:  # numpy's copy: ~20% faster than torch's copy_ for images here
             src, column, target = leaves[key], self.leaves[key], self._arrays[key]
             for dst, part in segments:
@@ -479,4 +478,3 @@ def describe_diff(have: Mapping[Key, Leaf], want: Mapping[Key, Leaf]) -> str:
 def flat_leaves(td: TensorDictBase) -> dict[Key, torch.Tensor]:
     """``{key tuple: tensor}`` for every leaf of ``td``."""
     return {k if type(k) is tuple else (k,): v for k, v in td.items(include_nested=True, leaves_only=True)}
-
