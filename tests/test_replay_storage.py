@@ -122,6 +122,30 @@ def test_leaves_adjacent_in_memory_at_another_row_stride_are_not_merged(shm_dir)
         _check_round_trip(store, shm_dir / "r", rows)
 
 
+def test_the_packer_reuses_its_copies_only_for_leaves_in_the_same_places(shm_dir):
+    """The same buffers written again with new values (as a worker's rollout does) store the new
+    values; the same tensor re-strided in place, and other tensors, are packed from themselves."""
+    import gc
+    import weakref
+
+    n = 8
+    rows = _interleaved_rows(n, STAMPS)
+    with ReplayStorage.create(shm_dir / "r", rows, capacity=n) as store:  # every write fills the same slots
+        for _ in range(3):  # same tensors, new values in place
+            rows.get(("ingestd", "env")).add_(1000)
+            rows.get("x").mul_(2)
+            _check_round_trip(store, shm_dir / "r", rows)
+        rows.get("x").as_strided_((n, 2), (1, n))  # same memory and address, other strides
+        _check_round_trip(store, shm_dir / "r", rows)
+        other = _interleaved_rows(n, STAMPS)
+        other.get("x").add_(5)
+        _check_round_trip(store, shm_dir / "r", other)
+        held = weakref.ref(other.get("x"))
+        del other
+        gc.collect()
+        assert held() is None  # the packer keeps no batch alive
+
+
 def test_a_leaf_whose_rows_are_not_contiguous_is_not_merged(shm_dir):
     """A [n, 2] leaf viewed out of a transposed buffer: row bytes not contiguous, copied on its own."""
     n = 6

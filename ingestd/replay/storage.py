@@ -157,6 +157,7 @@ class ReplayStorage(MappedStore):
                         for k, a in self._arrays.items() if k in self._layout.fields}  # packing plan
         self._plan = sorted(((k, f[1], self.schema[k].row_bytes) for k, f in self._fields.items()),
                             key=lambda p: p[1])  # (key, offset, row bytes) in record order
+        self._packer = packing.Packer(self._layout.record_bytes, self._fields, self._plan)
         self._stage = np.zeros(0, self._records.dtype)  # small leaves packed into records, then copied
 
     # -- construction --------------------------------------------------------
@@ -387,7 +388,7 @@ class ReplayStorage(MappedStore):
             if self._stage.size < n:
                 self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
             target = self._stage[:n]
-        packing.pack(target, self._layout.record_bytes, self._fields, self._plan, leaves, n, {WRITE_INDEX: index})
+        self._packer.pack(target, leaves, n, {WRITE_INDEX: index})
         if len(segments) > 1:
             for dst, part in segments:
                 self._records[dst] = target[part]
