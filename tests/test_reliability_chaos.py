@@ -2,7 +2,7 @@
 collects, then one worker SIGSTOPped (a hang). The daemon stays up, every worker is back
 quickly, ``restarts`` counts exactly the kills, and every stored row verifies.
 
-``INGESTD_CHAOS_SECONDS`` (test-only) sets the length of the kill phase (default 20 s;
+``INGESTD_CHAOS_SECONDS`` (test-only) sets the length of the kill phase (default 14 s;
 docs/reliability.md quotes a 60 s run).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ingestd.replay import ReplayReader, ReplayStorage
 from reliability_util import RssSeries, alive, check_integrity, knob, percentiles, read_storage, record, wait_for
 from test_metrics import by_worker, samples
 
-CHAOS_S = knob("INGESTD_CHAOS_SECONDS", 20.0)
+CHAOS_S = knob("INGESTD_CHAOS_SECONDS", 14.0)
 KILL_EVERY_S = 2.0
 BACK_WITHIN_S = 2.0  # target from SIGKILL to the new process RUNNING, backoff included (recorded, not asserted)
 HEARTBEAT_S = 2.0

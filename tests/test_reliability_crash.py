@@ -23,7 +23,7 @@ from ingestd.errors import CommandFailed
 from ingestd.replay import ReplayReader, ReplayStorage
 from reliability_util import PLUGIN_ENV, alive, check_integrity, read_storage, record, wait_for
 
-LOOPS = 4  # each loop starts a daemon (torch import, workers): ~8 s
+LOOPS = 3  # each loop starts a daemon (torch import, workers): ~6 s
 
 
 class RestartableDaemon(DaemonProc):
