@@ -146,6 +146,20 @@ def test_the_packer_reuses_its_copies_only_for_leaves_in_the_same_places(shm_dir
         assert held() is None  # the packer keeps no batch alive
 
 
+def test_a_negative_view_is_stored_with_its_values(shm_dir):
+    """Review: ``c.conj().imag`` has ``c.imag``'s address and strides, but its values are those
+    bytes negated: packed by address (from the copies kept for ``c.imag``) it was stored
+    without its sign."""
+    n = 6
+    rows = _interleaved_rows(n, STAMPS)
+    c = torch.complex(torch.rand(n, 2), torch.arange(1.0, 2 * n + 1).view(n, 2))
+    with ReplayStorage.create(shm_dir / "r", rows, capacity=n) as store:
+        for x in (c.imag, c.conj().imag):  # the same memory, the second read negated
+            rows.set("x", x)
+            _check_round_trip(store, shm_dir / "r", rows)
+        assert bool((rows.get("x") < 0).all())
+
+
 def test_a_leaf_whose_rows_are_not_contiguous_is_not_merged(shm_dir):
     """A [n, 2] leaf viewed out of a transposed buffer: row bytes not contiguous, copied on its own."""
     n = 6

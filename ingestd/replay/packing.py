@@ -79,9 +79,10 @@ class Packer:
     making their numpy views cost ~60 us of a 4,096-row CartPole write here (a tenth of it).
 
     The copies read memory by address (:func:`_unowned`: no batch is kept alive), so they are
-    reused exactly when every leaf has the address and strides it had: with the schema's shapes
-    and dtypes (checked before a write), those decide every copy. Other tensors, or the same
-    ones moved or re-strided, are worked out afresh."""
+    reused exactly when the batch has as many rows and every leaf the address and strides it
+    had: with the schema's shapes and dtypes (checked before a write) and no negative view
+    (resolved before), those decide every copy. Other tensors, or the same ones moved or
+    re-strided, are worked out afresh."""
 
     def __init__(self, record: int, fields: dict, plan: list[tuple]):
         """``fields``: key -> (numpy dtype, offset, row shape, row strides); ``plan``: ``(key,
