@@ -45,6 +45,55 @@ def test_rows_rolled_into_given_tensors_equal_the_buffered_ones():
         buffered.chunk(version)
 
 
+def test_image_buffers_are_made_only_for_a_chunk_that_cannot_go_into_slots():
+    """A 64-step x 64-env Pixels chunk's two image buffers are 231 MB: a rollout whose chunks
+    all go into the storage's slots never makes them; the first chunk that cannot (a
+    reservation wrapping the ring) does, and its rows are exact."""
+    buffered, direct = pixels_rollout(), pixels_rollout()
+    into = {key: torch.zeros(STEPS * ENVS, 4, 84, 84, dtype=torch.uint8) for key in IMAGES}
+    for version in range(2):
+        rows, _ = direct.chunk(version, into=into)
+        assert_same_rows(flat(rows), flat(buffered.chunk(version)[0]))
+    assert all(direct._leaves[key if len(key) > 1 else key[0]] is None for key in IMAGES)
+    rows, _ = direct.chunk(2)  # no slots: the buffers now
+    assert_same_rows(flat(rows), flat(buffered.chunk(2)[0]))
+    assert all(direct._leaves[key if len(key) > 1 else key[0]] is not None for key in IMAGES)
+
+
+class _WideFeature:
+    """CartPole plus a float leaf of 8,192 values per sub-env (256 KB a step: copied step by
+    step like an image, yet 32 KB a row: scanned for NaN), NaN at step ``bad``."""
+
+    def __init__(self, bad: int):
+        from ingestd.collect.envs.cartpole import CartPole
+
+        self.inner = CartPole(EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0))
+        self.num_envs, self.spec, self.bad, self.steps = ENVS, self.inner.spec, bad, 0
+
+    def reset(self):
+        return self.inner.reset()
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        feature = torch.zeros(ENVS, 8192)
+        if self.steps == self.bad:
+            feature[3, 5] = float("nan")
+        self.steps += 1
+        transition.set(("next", "feature"), feature)
+        return transition, root
+
+
+def test_a_leaf_large_per_step_but_small_per_row_is_still_scanned_for_nan():
+    from ingestd.errors import EnvFault
+
+    env = _WideFeature(bad=STEPS + 1)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
+    rows, _ = rollout.chunk(0)
+    assert rows.get(("next", "feature")).shape == (STEPS * ENVS, 8192)
+    with pytest.raises(EnvFault, match=r"non-finite \('next', 'feature'\)"):
+        rollout.chunk(0)
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "not contiguous"])
 def test_unfit_targets_are_not_used(bad):
     make = {"shape": lambda: torch.zeros(STEPS * ENVS - 1, 4, 84, 84, dtype=torch.uint8),

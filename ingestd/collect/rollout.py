@@ -21,7 +21,8 @@ The hot path is built to add as little as possible to the env and policy:
   ...]`` buffer, and each large one (image batches) is copied into its buffer
   right after the step, while in cache, so the env's allocator gets the
   memory back at once; the buffers are reused across chunks (no allocation
-  per chunk) and the rows are views of them;
+  per chunk) and the rows are views of them. A large leaf's buffer is made
+  only when a chunk cannot be copied into the storage's slots (``into``);
 - the episode accounting (returns, lengths, finished episodes) is done once
   per chunk, in numpy, on the ``[chunk_steps, num_envs]`` rewards and flags,
   with the same float64 left-to-right sums as a step-by-step accumulation.
@@ -100,7 +101,9 @@ class Rollout:
         self._returns_t = torch.empty((t, n), dtype=torch.float64)
         self._returns = self._returns_t.numpy()
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
-        self._eager: list[tuple] = []  # (key, buffer) of large leaves, copied step by step
+        # (a large leaf's buffer is made only for a chunk that cannot go into given slots: None until then)
+        self._specs: dict = {}  # key -> (per-step shape, dtype, device) of every non-stamp leaf
+        self._eager: list = []  # keys of large leaves, copied step by step
         self._lazy: list[tuple] = []  # (key, buffer) of small leaves, stacked once per chunk
         self._floats: list[tuple] = []  # keys of the float leaves scanned for NaN (checks.scanned)
         self._width = 0  # leaves per transition
@@ -168,8 +171,7 @@ class Rollout:
         self._stamp_chunk()
         rows = self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
         for key, _, dest in eager:
-            if dest is not None:
-                rows.set(key, dest)
+            rows.set(key, dest)
         finished = self._account()
         check_rows(rows, self.checks, [(k, rows.get(k)) for k in self._floats])
         return rows, finished
@@ -211,32 +213,35 @@ class Rollout:
         """Whether the buffers made for earlier chunks fit this chunk's first transition."""
         if self._rows is None or len(first) != self._width:
             return False
-        for key, buf in self._leaves.items():
+        for key, (shape, dtype, device) in self._specs.items():
             leaf = first.get(key)
-            if leaf is None or leaf.shape != buf.shape[1:] or leaf.dtype != buf.dtype or leaf.device != buf.device:
+            if leaf is None or leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
                 return False
         return True
 
     def _allocate(self, first: dict) -> None:
-        """One [T, B, ...] buffer per leaf of ``first``, and the [T * B] rows viewing them."""
+        """One [T, B, ...] buffer per small leaf of ``first``, and the [T * B] rows viewing them
+        (a large leaf's rows are set per chunk: ``_eager_targets``)."""
         steps, n = self.chunk_steps, self._n
         total = steps * n
-        self._leaves, self._eager, self._lazy, self._floats = {}, [], [], []
+        self._leaves, self._specs, self._eager, self._lazy, self._floats = {}, {}, [], [], []
         rows = TensorDict({}, batch_size=[total])
         for key, leaf in first.items():  # the first transition's key order, like a stack of them
             key = key if isinstance(key, tuple) else (key,)
             if key in _STAMP_KEYS:  # an env's own leaf of a stamp's name: the stamp wins
                 continue
-            buf = torch.empty((steps, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
             name = key if len(key) > 1 else key[0]
-            self._leaves[name] = buf
-            if leaf.numel() * leaf.element_size() >= _EAGER_BYTES:
-                self._eager.append((name, buf))
-            else:
-                self._lazy.append((name, buf))
-            rows.set(key, buf.view(total, *leaf.shape[1:]))
-            if scanned(name, buf[0]):  # a float leaf checks.check_rows scans for NaN
+            self._specs[name] = (leaf.shape, leaf.dtype, leaf.device)
+            if scanned(name, leaf):  # a float leaf checks.check_rows scans for NaN
                 self._floats.append(key)
+            if leaf.numel() * leaf.element_size() >= _EAGER_BYTES:  # its rows: slots, or a buffer made then
+                self._leaves[name] = None
+                self._eager.append(name)
+                continue
+            buf = torch.empty((steps, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
+            self._leaves[name] = buf
+            self._lazy.append((name, buf))
+            rows.set(key, buf.view(total, *leaf.shape[1:]))
         for name in _STAMPS:
             rows.set(("ingestd", name), self._stamps[name].view(total))
         self._rows, self._width = rows, len(first)
@@ -246,21 +251,28 @@ class Rollout:
         def norm(keys) -> set:
             return {k if isinstance(k, tuple) else (k,) for k in keys}
         now = norm(leaves) - _STAMP_KEYS
-        first = norm(self._rows.keys(include_nested=True, leaves_only=True)) - _STAMP_KEYS
+        first = norm(self._specs)
         return (f"the env's transitions changed their keys at step {t} of a chunk: new {sorted(now - first)}, "
                 f"missing {sorted(first - now)}; every step must produce the same keys (a key the env sets "
                 "only sometimes: set it on every step)")
 
     def _eager_targets(self, into: Mapping[tuple, torch.Tensor] | None) -> list[tuple]:
-        """``(key, per-step rows to copy into, rows tensor from into or None)`` of each large leaf."""
+        """``(key, per-step rows to copy into, the chunk's rows)`` of each large leaf: the tensor
+        ``into`` gives for it if its shape, dtype and device fit, else the leaf's own buffer
+        (made the first time a chunk needs it: with the storage's slots, a chunk whose slots
+        wrap around the ring; a 64 x 64 Pixels chunk's two image buffers are 231 MB)."""
+        steps, n = self.chunk_steps, self._n
         out = []
-        for name, buf in self._eager:
+        for name in self._eager:
+            shape, dtype, device = self._specs[name]
             dest = into.get(name if isinstance(name, tuple) else (name,)) if into else None
-            if (dest is None or dest.dtype != buf.dtype or dest.device != buf.device
-                    or dest.shape != (buf.shape[0] * buf.shape[1], *buf.shape[2:]) or not dest.is_contiguous()):
-                out.append((name, buf.unbind(0), None))
-            else:
-                out.append((name, dest.view(buf.shape).unbind(0), dest))
+            if (dest is None or dest.dtype != dtype or dest.device != device
+                    or dest.shape != (steps * shape[0], *shape[1:]) or not dest.is_contiguous()):
+                buf = self._leaves[name]
+                if buf is None:
+                    buf = self._leaves[name] = torch.empty((steps, *shape), dtype=dtype, device=device)
+                dest = buf.view(steps * n, *shape[1:])
+            out.append((name, dest.view(steps, *shape).unbind(0), dest))
         return out
 
     # -- episode accounting --------------------------------------------------------------------
