@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per daemon and per limit window")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of collection before the first round")
-    parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--chunk-steps", type=int, default=64, help="workers.chunk_steps of the cases (the daemon's default)")
     parser.add_argument("--gym-envs", type=int, default=64)
     parser.add_argument("--pixels-envs", type=int, default=64)
     parser.add_argument("--limit-child", help=argparse.SUPPRESS)

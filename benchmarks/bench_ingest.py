@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--parts", type=int, default=3, help="sub-windows of the window")
     parser.add_argument("--limit-seconds", type=float, help="seconds per in-process limit run")
     parser.add_argument("--limit-repeat", type=int, help="in-process runs per clock (default 3; 2 with --quick)")
-    parser.add_argument("--chunk-steps", type=int, default=16, help="workers.chunk_steps of the cases")
+    parser.add_argument("--chunk-steps", type=int, default=64, help="workers.chunk_steps of the cases (the daemon's default)")
     parser.add_argument("--gym-envs", type=int, default=64, help="num_envs of the gymnasium CartPole case")
     parser.add_argument("--pixels-envs", type=int, default=64, help="num_envs of the Pixels case")
     parser.add_argument("--n-step", type=int, default=1, help="workers.n_step of the cases (the limit stays the plain loop)")
