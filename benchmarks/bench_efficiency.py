@@ -12,8 +12,8 @@ gave CartPole 2-worker efficiencies of 0.72 and 0.65, and gymnasium 1.08 and 0.6
 Each round, inside one running daemon (``tests/daemon_proc.py``; everything it made is
 removed at the end):
 
-1. the daemon collects for one window, from one commit to another (the rate is whole chunks
-   of the storage's ``write_count`` over the time between them);
+1. the daemon collects for one window, from one move of the storage's ``write_count`` to
+   another (``next_commit``), and the rate is the rows between them over that time;
 2. ``pause`` (acknowledged by every worker: they hold still), then ``workers`` limit
    processes run concurrently for one window: each is the bare env + policy loop of
    ``bench_env_loop.inprocess_rate`` (no storage, no stamps, no IPC), started once before
@@ -101,9 +101,11 @@ class Limits:
 
 
 def next_commit(reader, timeout: float = 30.0) -> tuple[float, int]:
-    """``(time, write_count)`` when ``write_count`` next moves: a window from one commit to
-    another counts whole chunks (a window of fixed length is off by up to a chunk per worker,
-    ~8 % of a 3 s window of 64 x 64 Pixels rows)."""
+    """``(time, write_count)`` when ``write_count`` next moves (a worker took its chunk's
+    slots: at a chunk's end, or with image rows at its start). A window from one move to another
+    counts one worker's chunks whole; with several, it is off by a fraction of a chunk, where
+    a window of fixed length was off by up to a chunk per worker (~8 % of a 3 s window of
+    64 x 64 Pixels rows)."""
     count, deadline = reader.write_count, time.perf_counter() + timeout
     while reader.write_count == count:
         if time.perf_counter() > deadline:

@@ -119,11 +119,11 @@ def pixels_store(workdir: str, seconds: float, rounds: int) -> dict:
 
 def cartpole_store(workdir: str, seconds: float, rounds: int) -> dict:
     """The bare CartPole loop (256 envs, MLP: bench_efficiency's limit) against the same loop
-    plus the least that storing its rows needs: once per 16-step chunk, one memcpy of the
-    chunk's rows, already packed (4,096 records of 128 bytes, ingestd's record for a CartPole
+    plus the least that storing its rows needs: once per 64-step chunk, one memcpy of the
+    chunk's rows, already packed (16,384 records of 128 bytes, ingestd's record for a CartPole
     row), into a pre-faulted ring of a million records (the default capacity)."""
     env, policy = CASES["cartpole_mlp"].build()
-    steps, n, record = 16, env.num_envs, 128
+    steps, n, record = 64, env.num_envs, 128
     rows = steps * n
     dest = ring(workdir, "records.bin", 1_000_000 // rows * rows, record)
     packed = np.ones((rows, record), dtype=np.uint8)

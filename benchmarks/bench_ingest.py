@@ -108,7 +108,7 @@ def make_cases(args) -> dict[str, IngestCase]:
                                    env_kwargs={"id": "CartPole-v1"}, policy_kwargs=MLP, n_step=n),
         # a Pixels row is ~56 KB (observation and next observation): a 16384-row ring is 0.9 GB of
         # tmpfs; the window starts after one full lap, when every page of the ring exists
-        "pixels": IngestCase("pixels", "Pixels", "Random", args.pixels_envs, t, 16_384, warm_laps=1.0, n_step=n),
+        "pixels": IngestCase("pixels", "Pixels", "Random", args.pixels_envs, t, 32_768, warm_laps=1.0, n_step=n),
     }
 
 

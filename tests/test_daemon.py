@@ -32,7 +32,7 @@ def all_rows(path) -> "TensorDict":
 
 
 def test_default_config_ready_writes_and_stops_cleanly():
-    with DaemonProc(notify=True, overrides={"workers.num_envs": 64, "workers.chunk_steps": 16}) as d:
+    with DaemonProc(notify=True, overrides={"workers.num_envs": 64, "workers.chunk_steps": 64}) as d:
         ready = d.wait_notify("READY=1", timeout=60)
         assert "STATUS=" in ready
         with ReplayReader(d.replay_path) as reader:

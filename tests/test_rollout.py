@@ -83,6 +83,32 @@ class _WideFeature:
         return transition, root
 
 
+class _WideReward(_WideFeature):
+    """CartPole whose reward has 2,048 components per sub-env (a storage column: given slots
+    may hold it), summing to the step's reward."""
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        reward = transition.get(("next", "reward"))
+        transition.set(("next", "reward"), (reward / 2048).expand(ENVS, 2048).clone())
+        return transition, root
+
+
+def test_returns_and_flags_of_leaves_rolled_into_given_tensors_are_counted():
+    """Review: with a reward rolled into given slots (a reward that is a storage column), the
+    episode accounting read the rollout's own reward buffer, never filled: returns of 0."""
+    buffered, direct = (Rollout(e, Random(e.spec, seed=0), 0, 0, STEPS) for e in (_WideReward(0), _WideReward(0)))
+    into = {("next", "reward"): torch.zeros(STEPS * ENVS, 2048)}
+    ended = 0
+    for version in range(8):
+        want, want_done = buffered.chunk(version)
+        got, got_done = direct.chunk(version, into=into)
+        assert got.get(("next", "reward")).data_ptr() == into[("next", "reward")].data_ptr()
+        assert got_done.lengths == want_done.lengths and got_done.returns == pytest.approx(want_done.returns)
+        ended += len(got_done.returns)
+    assert ended and all(r > 1 for r in got_done.returns + want_done.returns if r)
+
+
 def test_a_leaf_large_per_step_but_small_per_row_is_still_scanned_for_nan():
     from ingestd.errors import EnvFault
 

@@ -167,21 +167,22 @@ class Rollout:
                 torch.stack(parts, out=buf)
             except (RuntimeError, TypeError):  # torch's message does not name the key
                 raise EnvFault(_changed(key, buf, parts)) from None
-        self._done_flags()
+        # the chunk's [T, B, ...] values of each leaf: its buffer, or for a large one its rows this chunk
+        chunk = {**self._leaves, **{key: dest.view(self.chunk_steps, *self._specs[key][0]) for key, _, dest in eager}}
+        self._done_flags(chunk.get(_DONE))
         self._stamp_chunk()
         rows = self._rows.clone(recurse=False)  # a fresh shell: a caller's edits do not stick
         for key, _, dest in eager:
             rows.set(key, dest)
-        finished = self._account()
+        finished = self._account(chunk.get(_REWARD))
         check_rows(rows, self.checks, [(k, rows.get(k)) for k in self._floats])
         return rows, finished
 
     # -- stamping ---------------------------------------------------------------------------
-    def _done_flags(self) -> None:
+    def _done_flags(self, buf: torch.Tensor | None) -> None:
         """``self._done`` (numpy bool ``[T, B]``): whether each step ended its sub-env's episode,
-        from the chunk's ``("next", "done")`` buffer: that buffer itself in TorchRL's layout
-        (bool ``[B, 1]`` on the CPU), else any of a sub-env's entries."""
-        buf = self._leaves.get(_DONE)
+        from the chunk's ``[T, B, ...]`` ``("next", "done")`` values ``buf``: those themselves in
+        TorchRL's layout (bool ``[B, 1]`` on the CPU), else any of a sub-env's entries."""
         if buf is None:
             raise EnvFault("the env's transitions have no ('next', 'done') entry")
         t, n = self.chunk_steps, self._n
@@ -276,14 +277,14 @@ class Rollout:
         return out
 
     # -- episode accounting --------------------------------------------------------------------
-    def _account(self) -> Finished:
+    def _account(self, reward: torch.Tensor | None) -> Finished:
         """Returns and lengths of the episodes that ended, and the state carried to the next chunk.
 
         Each return is the float64 sum of the episode's rewards added in step order, from
         0 (or from the return carried in from the previous chunk), exactly as a per-step
         ``ret = ret + reward`` would give."""
         done, step, ret = self._done, self._step_np, self._returns
-        _rewards_into(self._returns_t, self._leaves.get(_REWARD))  # where an episode begins: its first reward
+        _rewards_into(self._returns_t, reward)  # where an episode begins: its first reward
         np.add(self._return, ret[0], out=ret[0])
         keep = np.logical_not(done)
         for t in range(1, self.chunk_steps):  # ret[t] = ret[t-1] + reward[t] where the episode goes on
