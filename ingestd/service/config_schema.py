@@ -356,7 +356,7 @@ class WorkersConfig:
     num_envs: int = setting(64, "Sub-environments batched in each worker.", Int(1, 1 << 24))
     chunk_steps: int = setting(64, "Steps rolled out per chunk; one chunk = num_envs * chunk_steps rows. "
                                "Larger chunks spread each chunk's fixed work (assembling, checking and "
-                               "storing its rows, and refilling the caches after it) over more frames; "
+                               "storing its rows; the env stepping slower after it) over more frames; "
                                "smaller ones apply pauses and new weights sooner (both happen between "
                                "chunks).",
                                Int(1, 1 << 20))
