@@ -60,18 +60,26 @@ def test_image_buffers_are_made_only_for_a_chunk_that_cannot_go_into_slots():
     assert all(direct._leaves[key if len(key) > 1 else key[0]] is not None for key in IMAGES)
 
 
-class _WideFeature:
+class _Wrapped:
+    """An ``ENVS``-env CartPole whose transitions a subclass changes (``steps``: steps taken)."""
+
+    def __init__(self):
+        from ingestd.collect.envs.cartpole import CartPole
+
+        self.inner = CartPole(EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0))
+        self.num_envs, self.spec, self.steps = ENVS, self.inner.spec, 0
+
+    def reset(self):
+        return self.inner.reset()
+
+
+class _WideFeature(_Wrapped):
     """CartPole plus a float leaf of 8,192 values per sub-env (256 KB a step: copied step by
     step like an image, yet 32 KB a row: scanned for NaN), NaN at step ``bad``."""
 
     def __init__(self, bad: int):
-        from ingestd.collect.envs.cartpole import CartPole
-
-        self.inner = CartPole(EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0))
-        self.num_envs, self.spec, self.bad, self.steps = ENVS, self.inner.spec, bad, 0
-
-    def reset(self):
-        return self.inner.reset()
+        super().__init__()
+        self.bad = bad
 
     def step_and_maybe_reset(self, td):
         transition, root = self.inner.step_and_maybe_reset(td)
@@ -304,17 +312,12 @@ def test_a_policy_module_with_grad_acts_under_no_grad():
     assert rows["action"].shape == (8, 1) and not rows["action"].requires_grad
 
 
-class _SometimesKey:
+class _SometimesKey(_Wrapped):
     """CartPole whose transitions gain ``("next", "late")`` from step ``at`` on."""
 
     def __init__(self, at: int):
-        from ingestd.collect.envs.cartpole import CartPole
-
-        self.inner = CartPole(EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0))
-        self.num_envs, self.spec, self.at, self.steps = ENVS, self.inner.spec, at, 0
-
-    def reset(self):
-        return self.inner.reset()
+        super().__init__()
+        self.at = at
 
     def step_and_maybe_reset(self, td):
         transition, root = self.inner.step_and_maybe_reset(td)

@@ -64,7 +64,7 @@ class NStep:
         ready = self.ready_steps(chunk.batch_size[0])
         large = _fitting(chunk, into, ready * b)
         if ready == 0 or not large:
-            combined = chunk.clone() if self._held is None else torch.cat([self._held, chunk], 0)
+            combined = _after(self._held, chunk)
             out = window(combined, ready, self.n, self.gamma)
             self._held = combined[ready:]
             return out
@@ -76,7 +76,7 @@ class NStep:
         windows as usual, each image copied or gathered once, straight from the chunk."""
         b, held = self.num_envs, self._held
         small = chunk.exclude(*large)
-        combined = small.clone() if held is None else torch.cat([held.exclude(*large), small], 0)
+        combined = _after(None if held is None else held.exclude(*large), small)
         last, out = _windows(combined, ready, self.n, self.gamma)
         h = min(self.held_steps, ready)  # emitted steps that were held; the chunk's first ready - h follow
         for key in large:
@@ -89,8 +89,7 @@ class NStep:
                 copy_into(dest[h:], chunk.get(key)[:ready - h])
         steps = chunk.batch_size[0]  # the last n - 1 steps are held for the next call (copies: the
         # chunk's buffers are the rollout's, overwritten by the next chunk)
-        self._held = chunk[steps - (self.n - 1):].clone() if steps >= self.n - 1 \
-            else torch.cat([held, chunk], 0)[ready:]  # (cat made new memory)
+        self._held = chunk[steps - (self.n - 1):].clone() if steps >= self.n - 1 else _after(held, chunk)[ready:]
         out = out.reshape(ready * b)
         for key in large:
             out.set(key, into[key])
@@ -137,6 +136,12 @@ def _windows(steps: TensorDictBase, count: int, n: int, gamma: float) -> tuple[t
     out.set("next", ahead)
     out.set(STEPS_KEY, steps_taken.unsqueeze(-1))
     return last, out
+
+
+def _after(held: TensorDictBase | None, chunk: TensorDictBase) -> TensorDictBase:
+    """The held steps followed by the chunk's, in new memory (the chunk's buffers are the
+    rollout's, overwritten by its next chunk)."""
+    return chunk.clone() if held is None else torch.cat([held, chunk], 0)
 
 
 def _fitting(chunk: TensorDictBase, into: Mapping[tuple, torch.Tensor] | None, rows: int) -> list[tuple]:

@@ -29,12 +29,10 @@ def _unowned(array: np.ndarray) -> np.ndarray:
     return np.asarray(_Interface(dict(array.__array_interface__)))
 
 
-class _Raw:
+def _raw(ptr: int, n: int, width: int, stride: int) -> np.ndarray:
     """A numpy view over raw memory: ``n`` items of ``width`` bytes, ``stride`` bytes apart."""
-
-    def __init__(self, ptr: int, n: int, width: int, stride: int):
-        self.__array_interface__ = {"data": (ptr, True), "shape": (n,), "strides": (stride,),
-                                    "typestr": f"|V{width}", "version": 3}
+    return np.asarray(_Interface({"data": (ptr, True), "shape": (n,), "strides": (stride,),
+                                  "typestr": f"|V{width}", "version": 3}))
 
 
 def row_bytes_at(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -112,7 +110,7 @@ def copies(record: int, fields: dict, plan: list[tuple], leaves: dict, n: int, f
     for offset, width, keys, where in runs(plan, leaves, n, filled):
         if len(keys) > 1:  # side by side in memory too: one opaque item per row
             ptr, stride = where
-            yield offset, np.dtype(f"V{width}"), (), (), np.asarray(_Raw(ptr, n, width, stride)), None
+            yield offset, np.dtype(f"V{width}"), (), (), _raw(ptr, n, width, stride), None
             continue
         key = keys[0]
         dtype, _, shape, strides = fields[key]

@@ -354,12 +354,10 @@ class WorkersConfig:
                                    "wrappers = [...] }: docs/envs.md) or an import path.", Factory(ENV_ALIASES))
     env_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the env factory.", Table())
     num_envs: int = setting(64, "Sub-environments batched in each worker.", Int(1, 1 << 24))
-    chunk_steps: int = setting(64, "Steps rolled out per chunk; one chunk = num_envs * chunk_steps rows. "
-                               "Larger chunks spread each chunk's fixed work (assembling, checking and "
-                               "storing its rows; the env stepping slower after it) over more frames; "
-                               "smaller ones apply pauses and new weights sooner (both happen between "
-                               "chunks).",
-                               Int(1, 1 << 20))
+    chunk_steps: int = setting(64, "Steps rolled out per chunk; one chunk = num_envs * chunk_steps rows. Larger "
+                               "chunks spread each chunk's fixed work (assembling, checking and storing its rows; "
+                               "the env stepping slower after it) over more frames; smaller ones apply pauses and "
+                               "new weights sooner (both happen between chunks).", Int(1, 1 << 20))
     policy: str = setting("MLP", "Policy factory: a built-in name or an import path.", Factory())
     policy_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the policy factory.", Table())
     threads: int = setting(0, "Intra-op threads per worker; 0 = the CPU cores shared out among workers.",
