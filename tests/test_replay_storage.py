@@ -146,6 +146,40 @@ def test_the_packer_reuses_its_copies_only_for_leaves_in_the_same_places(shm_dir
         assert held() is None  # the packer keeps no batch alive
 
 
+def test_narrow_leaves_are_gathered_and_packed_in_blocks_exactly(shm_dir, monkeypatch):
+    """Bool flags and other narrow leaves side by side in the record go through one staging
+    array, and the records a block at a time: blocks of 8 rows here, batches of several
+    blocks and a part, one of them wrapping the ring, all read back exactly."""
+    from ingestd.replay import packing
+    from ingestd.replay.storage import flat_leaves
+
+    monkeypatch.setattr(packing, "BLOCK_BYTES", 8 * 128)  # 8 records of 128 bytes a block
+
+    def rows_of(n: int, seed: int) -> TensorDict:
+        g = torch.Generator().manual_seed(seed)
+        flags = {name: torch.rand(n, 1, generator=g) < 0.5 for name in ("done", "terminated", "truncated")}
+        return TensorDict({**flags, "code": torch.randint(0, 255, (n, 3), generator=g, dtype=torch.uint8),
+                           "x": torch.rand(n, 2, generator=g), "action": torch.randint(0, 9, (n,), generator=g),
+                           "next": {"reward": torch.rand(n, 1, generator=g), **{k: ~v for k, v in flags.items()}},
+                           "ingestd": _interleaved_rows(n, STAMPS)["ingestd"]}, batch_size=[n])
+
+    capacity = 40
+    batches = [rows_of(n, seed) for seed, n in enumerate((27, 19, 33))]  # the second and third wrap
+    with ReplayStorage.create(shm_dir / "r", batches[0], capacity=capacity) as store:
+        assert store._packer.record == 128
+        for rows in batches:
+            store.write(rows)
+        staged = [[key for *_, key in members] for stage, members in store._packer._last[2] if stage is not None]
+        assert any(len(members) >= 6 for members in staged)  # the six flags: one gathered copy
+    want = torch.cat(batches)[-capacity:]  # write indices 39..78 survive
+    with ReplayReader(shm_dir / "r") as reader:
+        got = reader.gather(np.arange(capacity))
+    got = got[np.argsort(got.get(WI).numpy())]
+    assert got.get(WI).tolist() == list(range(79 - capacity, 79))
+    for key, value in flat_leaves(want).items():
+        assert torch.equal(got.get(key), value), key
+
+
 def test_a_negative_view_is_stored_with_its_values(shm_dir):
     """Review: ``c.conj().imag`` has ``c.imag``'s address and strides, but its values are those
     bytes negated: packed by address (from the copies kept for ``c.imag``) it was stored

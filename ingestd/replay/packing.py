@@ -8,13 +8,24 @@ strided copies dominates a write of small rows, so leaves that lie side by side
 in the record *and* in the batch's memory (the rollout keeps the stamps as one
 ``[rows, 5]`` buffer in the record's order) are copied as one opaque item: one
 pass instead of five.
+
+Each pass over the records costs about as much as the cache lines it touches
+(a record is a line or two), not as its bytes: narrow leaves side by side in
+the record but not in memory (a CartPole row's six bool flags) are therefore
+first gathered into a small staging array (a few bytes a row, so it stays in
+cache) and land in one pass: six passes of a 16,384-row chunk's flags cost
+~600 us here, gathered ~200 us.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
 import torch
+
+NARROW = 8  # bytes a row: copies this narrow, side by side in the record, are gathered first
+BLOCK_BYTES = 512 << 10  # records packed a block at a time: every copy of a block while in cache (~1 ms -> 0.8 ms)
 
 
 class _Interface:
@@ -86,6 +97,7 @@ class Packer:
         """``fields``: key -> (numpy dtype, offset, row shape, row strides); ``plan``: ``(key,
         offset, row_bytes)`` in offset order."""
         self.record, self.fields, self.plan = record, fields, plan
+        self.block = max(1, BLOCK_BYTES // record)  # records a block
         self._last: tuple | None = None  # (n, each leaf's (address, strides), the copies)
 
     def pack(self, records: np.ndarray, leaves: dict, n: int, filled: dict) -> None:
@@ -96,11 +108,58 @@ class Packer:
                   for t in (leaves.get(key) for key, _, _ in self.plan)]
         last = self._last
         if last is None or last[0] != n or last[1] != places:
-            last = self._last = (n, places, list(copies(self.record, self.fields, self.plan, leaves, n, filled)))
-        record = self.record
-        for offset, item, shape, strides, source, key in last[2]:
-            np.ndarray((n, *shape), item, records, offset, (record, *strides))[...] = (
-                source if key is None else filled[key])
+            planned = copies(self.record, self.fields, self.plan, leaves, n, filled)
+            last = self._last = (n, places, list(gathered(planned, min(n, self.block))))
+        record, block = self.record, self.block
+        for first in range(0, n, block):  # every copy of a block of records while they are in cache
+            m = min(block, n - first)
+            at = first * record
+            for stage, members in last[2]:
+                if stage is None:
+                    land(records, record, m, at, first, *members[0], filled)
+                    continue
+                for offset, item, shape, strides, source, key in members:
+                    land(stage, stage.itemsize, m, 0, first, offset - members[0][0], item, shape, strides,
+                         source, key, filled)
+                np.ndarray((m,), stage.dtype, records, at + members[0][0], (record,))[...] = stage[:m]
+
+
+def land(target: np.ndarray, record: int, m: int, at: int, first: int, offset: int, item: np.dtype, shape: tuple,
+         strides: tuple, source: np.ndarray | None, key, filled: dict) -> None:
+    """One copy into the ``m`` records of ``record`` bytes at byte ``at`` of ``target``: rows
+    ``first ..`` of ``source``, or for a key the storage fills in, of ``filled[key]``."""
+    values = source if key is None else filled[key]
+    np.ndarray((m, *shape), item, target, at + offset, (record, *strides))[...] = values[first:first + m]
+
+
+def gathered(planned: Iterator[tuple], rows: int) -> Iterator[tuple[np.ndarray | None, list[tuple]]]:
+    """``planned`` copies (in offset order) grouped as ``(staging array, copies)``: each run
+    of two or more copies at most :data:`NARROW` bytes a row and side by side in the record
+    shares a staging array of ``rows`` items of their total width (a block's rows are copied
+    into it, then land as one item a row); any other copy stands alone (no staging array)."""
+    run: list[tuple] = []
+
+    def flush() -> Iterator[tuple]:
+        if len(run) > 1:
+            width = sum(_width(c) for c in run)
+            yield np.empty(rows, np.dtype(f"V{width}")), list(run)
+        else:
+            yield from ((None, [c]) for c in run)
+        run.clear()
+
+    for copy in planned:
+        narrow = _width(copy) <= NARROW
+        if run and not (narrow and copy[0] == run[-1][0] + _width(run[-1])):
+            yield from flush()
+        run.append(copy)
+        if not narrow:
+            yield from flush()
+    yield from flush()
+
+
+def _width(copy: tuple) -> int:
+    """Bytes a row of one copy ``(offset, item, row shape, ...)``."""
+    return copy[1].itemsize * math.prod(copy[2])
 
 
 def copies(record: int, fields: dict, plan: list[tuple], leaves: dict, n: int, filled: dict) -> Iterator[tuple]:
