@@ -169,7 +169,7 @@ def test_narrow_leaves_are_gathered_and_packed_in_blocks_exactly(shm_dir, monkey
         assert store._packer.record == 128
         for rows in batches:
             store.write(rows)
-        staged = [[key for *_, key in members] for stage, members in store._packer._last[2] if stage is not None]
+        staged = [[key for *_, key in members] for stage, members in store._packer._last[3] if stage is not None]
         assert any(len(members) >= 6 for members in staged)  # the six flags: one gathered copy
     want = torch.cat(batches)[-capacity:]  # write indices 39..78 survive
     with ReplayReader(shm_dir / "r") as reader:
@@ -178,6 +178,62 @@ def test_narrow_leaves_are_gathered_and_packed_in_blocks_exactly(shm_dir, monkey
     assert got.get(WI).tolist() == list(range(79 - capacity, 79))
     for key, value in flat_leaves(want).items():
         assert torch.equal(got.get(key), value), key
+
+
+def _stamped(n: int, g: torch.Generator) -> TensorDict:
+    return TensorDict({"x": torch.rand(n, 2, generator=g),  # float32 [2]: 8 bytes, narrow
+                       "ingestd": {s: torch.randint(0, 1 << 40, (n,), generator=g) for s in STAMPS}}, batch_size=[n])
+
+
+def test_slots_of_one_handle_committed_at_once_from_two_threads(shm_dir, monkeypatch):
+    """Review: both commits reuse the packer's plan for the same tensors, and with it its
+    staging arrays; without a lock one thread landed the other's staged rows (a pause after
+    each copy widens the window)."""
+    from ingestd.replay import packing
+
+    monkeypatch.setattr(packing, "BLOCK_BYTES", 8 * 64)
+    land = packing.Copy.land
+    monkeypatch.setattr(packing.Copy, "land", lambda *a: (land(*a), time.sleep(1e-4)))
+    n, capacity = 96, 384
+    batch = _stamped(n, torch.Generator().manual_seed(0))
+    with ReplayStorage.create(shm_dir / "r", batch, capacity=capacity) as store:
+        store.write(batch)  # the plan for these tensors is kept
+        for _ in range(2):
+            with store.reserved(n) as first, store.reserved(n) as second:
+                go = threading.Barrier(2)
+                threads = [threading.Thread(target=lambda s=s: (go.wait(), s.commit(batch))) for s in (first, second)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+    with ReplayReader(shm_dir / "r") as reader:
+        got = reader.gather(np.arange(5 * n - capacity, 5 * n) % capacity)
+    assert got.get(WI).tolist() == list(range(5 * n - capacity, 5 * n))
+    row = got.get(WI).numpy() % n  # the batch row each stored row holds
+    for key in [("x",), ("ingestd", "step")]:
+        assert torch.equal(got.get(key), batch.get(key)[row]), key
+
+
+def test_rows_that_are_views_of_the_ring_are_packed_before_they_are_overwritten(shm_dir, monkeypatch):
+    """Review: rows appended again from views of the storage's own slots, one slot behind the
+    slots written: packed block by block, later blocks read rows an earlier one overwrote."""
+    from ingestd.replay import packing
+
+    monkeypatch.setattr(packing, "BLOCK_BYTES", 4 * 64)
+    with ReplayStorage.create(shm_dir / "r", _stamped(8, torch.Generator()), capacity=64) as store:
+        for part in _stamped(94, torch.Generator().manual_seed(1)).split(47):  # every slot, then slot 30 is next
+            store.write(part)
+        views = TensorDict({}, batch_size=[16])
+        for key, leaf in store.leaves.items():
+            if key != WI:
+                views.set(key, leaf[29:45])  # slots 29..44, written into slots 30..45
+        want = views.clone()
+        store.write(views)
+    with ReplayReader(shm_dir / "r") as reader:
+        got = reader.gather(np.arange(30, 46))
+    assert got.get(WI).tolist() == list(range(94, 110))
+    for key in [("x",), ("ingestd", "step")]:
+        assert torch.equal(got.get(key), want.get(key)), key
 
 
 def test_a_negative_view_is_stored_with_its_values(shm_dir):

@@ -157,8 +157,8 @@ class ReplayStorage(MappedStore):
                         for k, a in self._arrays.items() if k in self._layout.fields}  # packing plan
         self._plan = sorted(((k, f[1], self.schema[k].row_bytes) for k, f in self._fields.items()),
                             key=lambda p: p[1])  # (key, offset, row bytes) in record order
-        self._packer = packing.Packer(self._layout.record_bytes, self._fields, self._plan)
-        self._stage = np.zeros(0, self._records.dtype)  # small leaves packed into records, then copied
+        ring = self._records.ctypes.data, self._records.ctypes.data + self._records.nbytes
+        self._packer = packing.Packer(self._layout.record_bytes, self._fields, self._plan, ring)
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -387,10 +387,8 @@ class ReplayStorage(MappedStore):
         segments = self._segments(int(index[0]), n)
         if len(segments) == 1:  # straight into the ring's records (their padding stays as created: 0)
             target = self._records[segments[0][0]]
-        else:
-            if self._stage.size < n:
-                self._stage = np.zeros(n, self._records.dtype)  # reused: padding bytes stay zero
-            target = self._stage[:n]
+        else:  # (once a lap) its own: two threads may commit slots of one handle at once
+            target = np.zeros(n, self._records.dtype)  # padding bytes zero, as in the ring
         self._packer.pack(target, leaves, n, {WRITE_INDEX: index})
         if len(segments) > 1:
             for dst, part in segments:
