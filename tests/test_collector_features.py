@@ -27,7 +27,7 @@ from ingestd.collect.interfaces import EnvContext
 from ingestd.collect.nstep import STEPS_KEY, NStep
 from ingestd.collect.policies import MLP, Random
 from ingestd.collect.rollout import Rollout
-from ingestd.collect.stats import StatsBlock
+from ingestd.collect.stats import State, StatsBlock
 from ingestd.control.client import ControlClient
 from ingestd.errors import ConfigError
 from ingestd.replay import ReplayReader
@@ -197,8 +197,34 @@ def test_policy_factories_taking_a_seed_get_the_workers_seed():
 
 @pytest.mark.parametrize("configured, workers, cores, expected", [
     (0, 1, 2, 2), (0, 2, 2, 1), (0, 3, 2, 1), (0, 2, 8, 4), (3, 2, 2, 3)])
-def test_worker_threads_default_shares_out_the_cores(configured, workers, cores, expected):
+def test_worker_threads_zero_shares_out_the_cores(configured, workers, cores, expected):
     assert worker_threads(configured, workers, cores) == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every share is one thread")
+def test_scaling_shares_the_cores_out_again_to_new_and_running_workers():
+    """User review: with workers.threads = 0, a scale worked the share out from the count before
+    it (the config was adopted after the new workers were made), and running workers kept
+    theirs: scaled from 1 to 2 on 2 cores, both ran 2 threads, and spun in OpenMP's barrier."""
+    cores = len(os.sched_getaffinity(0))
+    with DaemonProc(overrides={"workers.count": 1, "workers.threads": 0, "workers.num_envs": 16}) as d:
+        d.wait_ready()
+        stats = StatsBlock(d.runtime_dir / "workers.stats")
+        try:
+            assert int(stats[0]["threads"]) == cores
+            with ControlClient(d.control_address) as client:
+                client.scale(2)
+                wait_for(lambda: [int(stats[i]["threads"]) for i in (0, 1)] == [cores // 2] * 2, 30,
+                         f"both workers at {cores // 2} threads")
+                client.restart([1])  # a restart keeps the new share
+                wait_for(lambda: int(stats[1]["restarts"]) >= 1 and int(stats[1]["state"]) == State.RUNNING, 30,
+                         "worker 1 restarted")
+                assert int(stats[1]["threads"]) == cores // 2
+                client.scale(1)
+                wait_for(lambda: int(stats[0]["threads"]) == cores, 30, f"worker 0 back at {cores} threads")
+        finally:
+            stats.close()
+        assert d.stop() == 0
 
 
 def test_importing_ingestd_leaves_a_trainers_thread_count_alone():
@@ -535,7 +561,7 @@ def test_a_failed_profile_is_answered_once_not_run_again_into_the_error_text(tmp
     word; the next poll took that for a new request and profiled into a file named after the
     error (a 50 MB trace under the worker's cwd)."""
     from ingestd.collect import profiling
-    from ingestd.collect.stats import StatsBlock
+    from ingestd.collect.stats import State, StatsBlock
 
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     try:

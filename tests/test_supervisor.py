@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,11 +54,16 @@ class Failer(Sleeper):
         self._popen.wait()
 
 
+def spec_of(index: int) -> SimpleNamespace:
+    """A worker's spec as the supervisor reads it (it starts no real worker here)."""
+    return SimpleNamespace(index=index, threads=1)
+
+
 @pytest.fixture
 def sleepers(tmp_path):
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
-    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(heartbeat_timeout_s=TIMEOUT_S),
+    supervisor = Supervisor(spec_of, stats, RestartPolicy(heartbeat_timeout_s=TIMEOUT_S),
                             clock=lambda: now[0])
     procs = [Sleeper(), Sleeper()]
     for index, proc in enumerate(procs):
@@ -149,7 +155,7 @@ def test_workers_are_numbered_in_start_order_before_they_fork(tmp_path):
             seen[self.index] = int(stats[self.index]["incarnation"])
             super().__init__()
 
-    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(), incarnation=lambda: next(numbers))
+    supervisor = Supervisor(spec_of, stats, RestartPolicy(), incarnation=lambda: next(numbers))
     supervisor._ctx = type("Ctx", (), {"Process": Recorded})()
     try:
         supervisor.scale(3)
@@ -190,7 +196,7 @@ def test_a_fork_that_fails_is_retried_with_backoff_then_marked_failed(tmp_path):
 
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
-    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(budget=3), clock=lambda: now[0])
+    supervisor = Supervisor(spec_of, stats, RestartPolicy(budget=3), clock=lambda: now[0])
     supervisor._ctx = NoFork()
     try:
         supervisor.scale(1)
@@ -220,7 +226,7 @@ def test_a_failed_fork_closes_the_pipes_it_opened(tmp_path, monkeypatch, failing
 
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
-    supervisor = Supervisor(lambda i: None, stats, RestartPolicy(budget=3), clock=lambda: now[0])
+    supervisor = Supervisor(spec_of, stats, RestartPolicy(budget=3), clock=lambda: now[0])
     real_pipe, pipes = os.pipe, []
 
     def fail_fork():
@@ -409,7 +415,7 @@ def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     now = [100.0]
     policy = RestartPolicy(heartbeat_timeout_s=1e9, backoff_s=0.1, backoff_max_s=10.0, budget=budget, reset_s=reset_s)
-    supervisor = Supervisor(lambda i: None, stats, policy, clock=lambda: now[0])
+    supervisor = Supervisor(spec_of, stats, policy, clock=lambda: now[0])
     procs = []
 
     def start(index, slot):  # a sleeper stands in for the worker process: it exits 1, or is SIGKILLed

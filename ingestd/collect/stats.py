@@ -76,7 +76,8 @@ RECORD = np.dtype([
     ("error", f"S{ERROR_BYTES}"),
     ("requested_restarts", np.int64),  # of ``restarts``: the ones a restart command asked for
     # collector features (ingestd.collect.features, ingestd.collect.profiling)
-    ("threads", np.int64), ("profile_seq", np.int64), ("profile_done", np.int64),
+    ("threads", np.int64), ("threads_wanted", np.int64),  # applied; asked for by the daemon (0: as started)
+    ("profile_seq", np.int64), ("profile_done", np.int64),
     ("profile_seconds", np.float64), ("profile_path", "S256"),
 ], align=True)
 

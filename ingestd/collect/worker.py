@@ -187,6 +187,11 @@ class Worker:
                 time.sleep(_PAUSED_POLL_S)
                 continue
             rec["state"], rec["pause_reason"] = State.RUNNING, PauseReason.NONE
+            if 0 < rec["threads_wanted"] != rec["threads"]:  # the workers' share of the cores changed (scale)
+                import torch
+
+                torch.set_num_threads(int(rec["threads_wanted"]))
+                rec["threads"] = torch.get_num_threads()
             # before the limiter's hold too: a worker held back applies a push (which waits for it)
             self.version = self._apply_weights(weights, policy, self.version)
             published = _published(weights)

@@ -360,8 +360,8 @@ class WorkersConfig:
                                "new weights sooner (both happen between chunks).", Int(1, 1 << 20))
     policy: str = setting("MLP", "Policy factory: a built-in name or an import path.", Factory())
     policy_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the policy factory.", Table())
-    threads: int = setting(0, "Intra-op threads per worker; 0 = the CPU cores shared out among workers.",
-                           Int(0, 1024))
+    threads: int = setting(1, "Intra-op threads per worker (TorchRL's num_sub_threads default, 1); 0 = the CPU "
+                              "cores shared out among the workers, again at each scale.", Int(0, 1024))
     device: str = setting("cpu", "Torch device the workers run env and policy on.",
                           Pattern(r"[a-z]+(:\d+)?", "a torch device such as cpu, cuda or cuda:1"))
     heartbeat_timeout_s: float = setting(

@@ -267,9 +267,9 @@ class Daemon:
                 raise ConfigError("limiter", f"{exc}; nothing was applied: reload again") from None
         if "service.log_level" in applied:
             logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
+        self.adopt(checked)  # first: workers started by the scale are made from it (their thread share)
         if "workers.count" in applied:
             self.supervisor.scale(new.workers.count)
-        self.adopt(checked)
         self.supervisor.policy = restart_policy(self.config.workers)
         if needs_restart:
             log.warning("reload: these changes need a restart and were not applied: %s", ", ".join(needs_restart))
@@ -292,8 +292,8 @@ class Daemon:
         """Run ``count`` workers (main thread): refused like a config file asking for it, e.g. when
         the replay is too small for that many writers."""
         config = self.checked_with({"workers.count": count})
+        self.adopt(config)  # first: workers started by the scale are made from it (their thread share)
         self.supervisor.scale(count)
-        self.adopt(config)
 
     def _reloaded(self) -> None:
         """READY=1 ends the RELOADING=1 state (sent only once the daemon was ready)."""

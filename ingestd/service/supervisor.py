@@ -105,6 +105,9 @@ class Supervisor:
                 slot.retiring = True
                 self.stats[index]["desired"] = Desired.STOP
                 slot.start_at = None
+            elif index < count:  # the spec for the count now (workers.threads = 0 shares the cores out)
+                slot.spec = self._make_spec(index)
+                self.stats[index]["threads_wanted"] = slot.spec.threads  # applied between chunks
 
     def restart(self, indices: list[int] | None = None) -> list[int]:
         chosen = sorted(self.slots) if indices is None else indices
