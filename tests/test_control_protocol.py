@@ -481,10 +481,12 @@ def test_unusable_client_timeouts_are_refused(kwargs):
     (lambda c: c.scale(2.5), TypeError, "the worker count must be an integer, got 2.5"),
     (lambda c: c.scale("2"), TypeError, "the worker count must be an integer"),
     (lambda c: c.restart([0, 1.5]), TypeError, "a worker index must be an integer"),
+    (lambda c: c.restart(1.5), TypeError, "a worker index must be an integer, got 1.5"),
     (lambda c: c.pause(timeout_s=float("nan")), ValueError, "timeout_s must be a number of seconds"),
     (lambda c: c.scale(1, timeout_s=-1), ValueError, "timeout_s must be a number of seconds"),
     (lambda c: c.push_weights({"w": torch.zeros(1)}, timeout_s="3"), ValueError, "timeout_s must be"),
-], ids=["scale-float", "scale-str", "restart-float", "pause-nan", "scale-negative", "push-str"])
+], ids=["scale-float", "scale-str", "restart-float", "restart-one-float", "pause-nan", "scale-negative",
+        "push-str"])
 def test_client_arguments_are_refused_not_truncated(call, error, message):
     """scale(2.5) scaled to 2, and a NaN timeout_s failed inside json.dumps: refused before
     anything is sent (no daemon needed)."""
@@ -493,6 +495,24 @@ def test_client_arguments_are_refused_not_truncated(call, error, message):
     with ControlClient("ipc:///dev/shm/ingestd-nobody.sock", timeout=0.2, retries=0) as client:
         with pytest.raises(error, match=message):
             call(client)
+
+
+def test_restart_takes_one_worker_index_as_well_as_a_list():
+    """User review: ``restart(5)`` failed with "'int' object is not iterable"."""
+    from ingestd import ControlClient
+
+    sent = []
+
+    def call(request):
+        sent.append(request)
+        raise LookupError("not sent")
+
+    with ControlClient("ipc:///dev/shm/ingestd-nobody.sock", timeout=0.2, retries=0) as client:
+        client.call = call
+        for workers in (5, [5], (5,)):
+            with pytest.raises(LookupError):
+                client.restart(workers)
+    assert [request.workers for request in sent] == [(5,)] * 3
 
 
 @pytest.mark.parametrize("advertised, control, expected", [

@@ -229,8 +229,12 @@ class ControlClient:
     def resume(self, timeout_s: float | None = None) -> Acked:
         return Acked.from_json(self.call(Resume(timeout_s=self._wait(timeout_s))))
 
-    def restart(self, workers: list[int] | None = None, wait: bool = True, timeout_s: float | None = None) -> Acked:
-        """Restart all workers, or those listed; with ``wait`` returns once they run again."""
+    def restart(self, workers: int | list[int] | None = None, wait: bool = True, timeout_s: float | None = None
+                ) -> Acked:
+        """Restart all workers, those listed, or the one given; with ``wait`` returns once they
+        run again."""
+        if workers is not None and not isinstance(workers, (list, tuple, set, frozenset, range)):
+            workers = [workers]  # one index (refused below unless it is an integer)
         chosen = None if workers is None else tuple(_whole(w, "a worker index") for w in workers)
         return Acked.from_json(self.call(Restart(workers=chosen, wait=wait, timeout_s=self._wait(timeout_s))))
 
