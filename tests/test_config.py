@@ -112,6 +112,7 @@ BAD = [
     # a class named with a dot: the class goes after the colon (it suggested 'goalenvs.reach.Reach:make')
     (["workers.env=goalenvs.reach.Reach"], "workers.env", "after a colon: 'goalenvs.reach:Reach'"),
     (["workers.policy=my-policy"], "workers.policy", "import path"),
+    (["workers.policy=Randum"], "workers.policy", "one of Random, MLP"),  # a bare name failed at startup, not here
     (["workers.env_kwargs=3"], "workers.env_kwargs", "a table"),
     (["workers.num_envs=0"], "workers.num_envs", "1.."),
     (["workers.chunk_steps=-1"], "workers.chunk_steps", "1.."),

@@ -124,3 +124,13 @@ def test_a_factory_that_takes_no_context_is_blamed_on_its_key_not_its_kwargs():
     with pytest.raises(ConfigError) as err:
         check_factories(workers)
     assert err.value.key == "workers.policy"
+
+
+def test_the_configs_built_in_names_are_the_registrys():
+    """The config accepts a built-in name in any case (``policy = "mlp"`` was refused at startup
+    as "bad import path", while ``env = "cartpole"`` worked): the names it knows are these."""
+    from ingestd.collect import registry
+    from ingestd.service import config_schema
+
+    assert set(config_schema.ENV_ALIASES) == set(registry.ENV_ALIASES)
+    assert set(config_schema.POLICY_ALIASES) == set(registry.POLICY_ALIASES)

@@ -29,6 +29,7 @@ from ingestd.service.config_toml import (  # noqa: F401  (re-exported for ingest
 LOG_LEVELS = ("debug", "info", "warning", "error")
 START_WEIGHTS = ("resume", "initial")  # service.start_weights
 ENV_ALIASES = ("CartPole", "Pixels", "Checksum", "Gym")
+POLICY_ALIASES = ("Random", "MLP")
 MAX_WORKERS = 256  # the stats block has one record per worker (ingestd.collect.stats.MAX_WORKERS)
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 MiB = 1 << 20
@@ -358,7 +359,7 @@ class WorkersConfig:
                                "chunks spread each chunk's fixed work (assembling, checking and storing its rows; "
                                "the env stepping slower after it) over more frames; smaller ones apply pauses and "
                                "new weights sooner (both happen between chunks).", Int(1, 1 << 20))
-    policy: str = setting("MLP", "Policy factory: a built-in name or an import path.", Factory())
+    policy: str = setting("MLP", "Policy factory: a built-in name or an import path.", Factory(POLICY_ALIASES))
     policy_kwargs: FrozenTable = setting(FrozenTable(), "Keyword arguments for the policy factory.", Table())
     threads: int = setting(1, "Intra-op threads per worker (TorchRL's num_sub_threads default, 1); 0 = the CPU "
                               "cores shared out among the workers, again at each scale.", Int(0, 1024))
