@@ -28,6 +28,10 @@ class SchemaMismatch(IngestdError, ValueError):
     """A batch or a reopen request does not match the storage's schema/capacity."""
 
 
+class CapacityMismatch(SchemaMismatch):
+    """A reopen request's capacity is not the storage's (``replay.capacity`` against an existing replay)."""
+
+
 class StorageFull(IngestdError, OSError):
     """The file system has no room for a new storage's files (they are allocated up front)."""
 

@@ -581,7 +581,11 @@ STARTUP_FAILURES = {
     "ipc path too long": (['service.runtime_dir="{tmp}/' + "r" * 110 + '"'], "control.address", ""),
     # a directory that cannot be created ({tmp}/a-file is a file)
     **{f"{key} under a file": ([f'{key}="{{tmp}}/a-file/dir"'], key, "cannot create")
-       for key in ("service.data_dir", "service.runtime_dir", "replay.path")},
+       for key in ("service.data_dir", "service.runtime_dir")},
+    "replay.path under a file": (['replay.path="{tmp}/a-file/dir"'], "replay.path", "a-file is a file, not a directory"),
+    # the directory itself a file (said "cannot create the directory ...: File exists")
+    **{f"{key} a file": ([f'{key}="{{tmp}}/a-file"'], key, "a-file is a file, not a directory; move it away")
+       for key in ("service.data_dir", "service.runtime_dir")},
     # a directory another user could have planted files or a fake control socket in
     **{f"{key} writable by everyone": ([f'{key}="{{tmp}}/open"'], key, "writable by every user")
        for key in ("service.data_dir", "service.runtime_dir")},

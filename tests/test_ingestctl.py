@@ -123,6 +123,10 @@ WRONG_FILES = {  # how to write the file; how the message goes on after the file
     "memoized class names": (lambda f: torch.save({"a": collections.Counter(), "b": collections.deque()}, f,
                                                   pickle_protocol=4),
                              "holds pickled Python objects besides tensors (collections.Counter, collections.deque)"),
+    # a training checkpoint (user review: "does not hold a state dict", not saying what it did hold)
+    "checkpoint": (lambda f: torch.save({"model": torch.nn.Linear(2, 3).state_dict(), "step": torch.tensor(3)}, f),
+                   "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of 'model', "
+                   "'step'; 'model' hold(s) one: save that"),
     "encrypted zip member": (lambda f: f.write(_encrypted(_saved({"bias": torch.zeros(1), "obj": NotATensor()}))),
                              "cannot be loaded as weights ("),
 }

@@ -21,7 +21,7 @@ from replay_payload import PayloadStorage
 from tensordict import TensorDict
 
 import ingestd.replay.reader as reader_module
-from ingestd.errors import (ClosedError, CorruptStorage, EmptyReplay, SampleTimeout, SchemaMismatch,
+from ingestd.errors import (ClosedError, ConfigError, CorruptStorage, EmptyReplay, SampleTimeout, SchemaMismatch,
                             StorageNotFound, StorageReplaced)
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.layout import WRITE_INDEX
@@ -812,6 +812,24 @@ def test_reopen_with_another_schema_or_capacity(shm_dir, change):
     assert fingerprint(shm_dir / "r") == before
     with ReplayStorage.open(path, rp.spec("cartpole"), 64) as store:
         assert store.write_count == 100
+
+
+@pytest.mark.parametrize("change, key", [("capacity", "replay.capacity"), ("shape", "replay.path")])
+def test_the_daemon_names_the_config_key_an_existing_replay_refuses(shm_dir, change, key):
+    """User review: the daemon's exit 78 for a replay of another capacity named no key (the
+    README promises it does); the fix names the key, and the storage is left as it was."""
+    from ingestd.service.layout import _open_replay
+
+    path = filled(shm_dir / "r")
+    before = fingerprint(shm_dir / "r")
+    spec, capacity = rp.spec("cartpole"), 64
+    if change == "capacity":
+        capacity = 128
+    else:
+        spec[("observation",)] = ((5,), torch.float32)
+    with pytest.raises(ConfigError, match=f"config key '{key}': .*(capacity 64, not 128|different schema)"):
+        _open_replay(path, spec, capacity)
+    assert fingerprint(shm_dir / "r") == before
 
 
 def test_create_refuses_existing_or_foreign_directories(shm_dir):

@@ -196,7 +196,10 @@ EXPECTED = Manifest((Entry("w", "float32", (2, 3)), Entry("b", "float64", (3,)),
     ({"w": GOOD["w"].t(), "b": GOOD["b"], "c": torch.tensor(1)}, ["'w' is float32[3, 2], expected float32[2, 3]"]),
     ({**GOOD, "c": torch.tensor(1.0)}, ["'c' is float32[], expected int64[]"]),
     ({"w": GOOD["w"], "x": torch.ones(1)}, ["missing 'b', 'c'", "unexpected 'x'"]),
-], ids=["missing", "unexpected", "shape", "dtype", "several"])
+    # a DistributedDataParallel model's state_dict (user review: 7 missing, 7 unexpected, no hint)
+    ({f"module.{k}": v for k, v in {**GOOD, "c": torch.tensor(1)}.items()},
+     ["the pushed names are the policy's with 'module.' in front", "model.module"]),
+], ids=["missing", "unexpected", "shape", "dtype", "several", "ddp-prefix"])
 def test_decode_checks_expected_manifest(state, messages):
     with pytest.raises(BadWeights, match="do not match the policy") as info:
         decode(encode(state), expected=EXPECTED)

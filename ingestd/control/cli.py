@@ -342,9 +342,25 @@ def load_state_dict(path: str) -> dict:
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not obj or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor); "
+        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor){_found(obj)}; "
                                       "save one with torch.save(model.state_dict(), FILE)", EX_DATAERR)
     return obj
+
+
+def _found(obj) -> str:
+    """What a file that is no state dict holds, for the error: a checkpoint's keys, and which
+    of them hold state dicts (a ``{"model": ..., "optim": ...}`` checkpoint)."""
+    if not isinstance(obj, dict):
+        return f": it holds a {type(obj).__name__}"
+    if not obj:
+        return ": it holds an empty dict"
+    import torch
+
+    keys = ", ".join(repr(k) for k in list(obj)[:8]) + (f" and {len(obj) - 8} more" if len(obj) > 8 else "")
+    nested = [k for k, v in obj.items() if isinstance(v, dict) and v
+              and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in v.items())]
+    inside = f"; {', '.join(repr(k) for k in nested[:4])} hold(s) one: save that" if nested else ""
+    return f": it holds a dict of {keys}{inside}"
 
 
 def _profile(client, args, out: Output) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ingestd.errors import ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull
+from ingestd.errors import CapacityMismatch, ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull
 from ingestd.replay import files
 from ingestd.replay import limiter, packing, priority
 from ingestd.replay.priority import PriorityTree
@@ -227,7 +227,7 @@ class ReplayStorage(MappedStore):
 
     def _check_matches(self, example_or_spec, capacity: int | None) -> None:
         if capacity is not None and int(capacity) != self.capacity:
-            raise SchemaMismatch(
+            raise CapacityMismatch(
                 f"{self.path} holds a storage of capacity {self.capacity}, not {capacity}; "
                 "use the same capacity, or point the replay at a new path")
         if example_or_spec is None:

@@ -24,6 +24,9 @@ def make_dir(directory, key: str) -> None:
     ``key`` (no restart fixes a path under a file, a read-only or a forbidden place)."""
     try:
         Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
+    except FileExistsError:  # said "cannot create the directory ...: File exists" (user review)
+        raise ConfigError(key, f"{directory} is a file, not a directory; move it away or choose another {key}"
+                          ) from None
     except OSError as exc:
         raise_unusable_path(key, exc, f"cannot create the directory {directory}")
 

@@ -11,7 +11,7 @@ import torch
 
 from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec
-from ingestd.errors import ConfigError, CorruptStorage, IngestdError
+from ingestd.errors import CapacityMismatch, ConfigError, CorruptStorage, IngestdError, SchemaMismatch
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
 from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
@@ -100,11 +100,16 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
 
 def _open_replay(path, example, capacity: int) -> ReplayStorage:
     """Reopen (recovering) or create the replay. A path that cannot hold it (a file, a directory
-    with other files, a damaged storage, no write access) is a config error naming replay.path:
-    no restart fixes it. Nothing there is changed. (SchemaMismatch and StorageFull keep their
-    own types; ``ingestd run`` exits 78 for them too.)"""
+    with other files, a damaged storage, another schema, no write access) is a config error
+    naming replay.path, and another capacity one naming replay.capacity: no restart fixes
+    them. Nothing there is changed. (StorageFull keeps its type; ``ingestd run`` exits 78 for
+    it too.)"""
     try:
         return ReplayStorage.open_or_create(path, example, capacity, recover=True)
+    except CapacityMismatch as exc:
+        raise ConfigError("replay.capacity", f"{exc} (nothing there was changed)") from None
+    except SchemaMismatch as exc:
+        raise ConfigError("replay.path", f"{exc}") from None
     except CorruptStorage as exc:
         raise ConfigError("replay.path", f"{exc} (nothing there was changed; restore the storage, move it "
                                          "away, or point replay.path at a new directory)") from None

@@ -186,6 +186,11 @@ class Manifest:
         if mismatched:
             problems.append("mismatched: " + "; ".join(mismatched[:8])
                             + (f" and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
+        prefix = _common_prefix(missing, unexpected)
+        if prefix:  # a DistributedDataParallel or torch.compile wrapper's state_dict
+            problems.append(f"the pushed names are the policy's with {prefix!r} in front: push the unwrapped "
+                            f"module's state_dict (model.module for DistributedDataParallel, model._orig_mod for "
+                            f"torch.compile), or strip the prefix")
         return problems
 
     def check(self, other: Manifest) -> None:
@@ -193,6 +198,18 @@ class Manifest:
         problems = self.differences(other)
         if problems:
             raise BadWeights("weights do not match the policy: " + "; ".join(problems))
+
+
+def _common_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """The one dotted prefix (``"module."``) that turns every missing name into an unexpected
+    one, when the two lists match that way; else None."""
+    if not missing or len(missing) != len(unexpected):
+        return None
+    first = next((u for u in unexpected if u.endswith("." + missing[0])), None)
+    if first is None:
+        return None
+    prefix = first[:-len(missing[0])]
+    return prefix if {prefix + m for m in missing} == set(unexpected) else None
 
 
 def _entry_from_json(index: int, obj: Any, max_bytes: int | None) -> Entry:
