@@ -344,14 +344,14 @@ class _InPlaceFrames:
     """Pixels-like frames kept in one buffer the env rolls in place and returns every step (the
     frame-stacker habit); ``fresh`` returns a copy instead."""
 
-    def __init__(self, fresh: bool | str):
+    def __init__(self, fresh: bool | str, frame: tuple = (4, 8)):
         self.num_envs, self.fresh, self.t = ENVS, fresh, 0
-        self.spec = EnvSpec((4, 8), torch.uint8, (), torch.int64, num_actions=2)
-        self.stack = torch.zeros((ENVS, 4, 8), dtype=torch.uint8)
+        self.spec = EnvSpec(frame, torch.uint8, (), torch.int64, num_actions=2)
+        self.stack = torch.zeros((ENVS, *frame), dtype=torch.uint8)
 
-    def _root(self):
+    def _root(self, copy: bool = False):
         from tensordict import TensorDict
-        obs = self.stack.clone() if self.fresh is True else self.stack
+        obs = self.stack.clone() if self.fresh is True or copy else self.stack
         flags = {k: torch.zeros(ENVS, 1, dtype=torch.bool) for k in ("done", "terminated", "truncated")}
         return TensorDict({"observation": obs, **flags}, batch_size=[ENVS])
 
@@ -364,7 +364,7 @@ class _InPlaceFrames:
             self.stack.copy_(torch.roll(self.stack, -1, dims=1))
             self.stack[:, -1] = self.t
         root = self._root()
-        nxt = root.clone(recurse=False)
+        nxt = self._root(copy=True) if self.fresh == "root only" else root.clone(recurse=False)
         nxt.set("reward", torch.zeros(ENVS, 1))
         td.set("next", nxt)
         return td, root
@@ -393,6 +393,78 @@ def test_an_env_overwriting_a_buffer_it_returned_is_refused(fresh):
         return
     with pytest.raises(EnvFault, match=r"wrote step values into the tensor it had returned for .observation. and returned it again as \(.next., .observation.\)"):
         rollout.chunk(0)
+
+
+@pytest.mark.parametrize("frame, steps", [((4, 84, 84), STEPS), ((4, 8), 1)], ids=["image", "small, 1-step chunks"])
+def test_an_env_overwriting_the_root_it_steps_from_is_refused(frame, steps):
+    """Rollout fuzz: a frame stack rolled in its buffer, handed out as the root observation and
+    copied as the next one, stored observation == next observation without an error: for an
+    image (copied after the step) and, with one step a chunk, for a small leaf."""
+    from ingestd.errors import EnvFault
+
+    env = _InPlaceFrames("root only", frame)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, steps)
+    with pytest.raises(EnvFault, match=r"wrote into the tensor it had returned for 'observation' while stepping "
+                                       r"from it"):
+        rollout.chunk(0)
+
+
+class _LateDtype(_SometimesKey):
+    """CartPole with an ``("next", "id")`` leaf: int32 until step ``at``, int64 (past int32) after."""
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        self.steps += 1
+        late = self.steps > self.at
+        transition.set(("next", "id"), torch.full((ENVS, 1), 2 ** 40 + self.steps if late else self.steps,
+                                                  dtype=torch.int64 if late else torch.int32))
+        return transition, root
+
+
+def test_a_small_leaf_changing_dtype_within_a_chunk_is_refused_not_cast():
+    """Rollout fuzz: stacked into the buffer made from the chunk's first step, an int64 leaf was
+    stored as int32 (2**40 + 3 as 3), a float64 reward rounded to float32, without an error."""
+    from ingestd.errors import EnvFault
+
+    env = _LateDtype(at=2)
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
+    with pytest.raises(EnvFault, match=r"changed \('next', 'id'\) within a chunk: \(8, 1\) torch.int32, then "
+                                       r"\(8, 1\) torch.int64") as err:
+        rollout.chunk(0)
+    assert err.value.key == "workers.env"
+
+
+class _StampThenKey(_Wrapped):
+    """CartPole that sets its own ``("ingestd", "step")`` in the first chunk (the stamp wins),
+    and instead a new ``("next", "y")`` from the second chunk on: as many leaves."""
+
+    def step_and_maybe_reset(self, td):
+        transition, root = self.inner.step_and_maybe_reset(td)
+        self.steps += 1
+        key = ("ingestd", "step") if self.steps <= STEPS else ("next", "y")
+        transition.set(key, torch.full((ENVS, 1) if key[0] == "next" else (ENVS,), 7))
+        return transition, root
+
+
+def test_a_new_key_in_place_of_one_named_like_a_stamp_is_stored():
+    """Rollout fuzz: the buffers made for the first chunk were taken to fit (as many leaves,
+    and every known key there), so ("next", "y") was never stored."""
+    env = _StampThenKey()
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
+    first, _ = rollout.chunk(0)
+    assert ("next", "y") not in first.keys(True) and first["ingestd", "step"].max() < STEPS
+    second, _ = rollout.chunk(0)
+    assert bool((second["next", "y"] == 7).all())
+
+
+def test_a_reward_of_several_components_is_summed_in_float64():
+    """Rollout fuzz: float16 components of 40,000 summed to inf in float16, and finite rewards
+    then gave infinite returns."""
+    from ingestd.collect.rollout import _rewards_into
+
+    out = torch.empty(2, 3, dtype=torch.float64)
+    _rewards_into(out, torch.full((2, 3, 2), 40000.0, dtype=torch.float16))
+    assert bool((out == 80000.0).all())
 
 
 def test_a_constant_nan_or_a_moved_tensor_is_not_taken_for_an_in_place_write():

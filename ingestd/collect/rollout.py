@@ -163,9 +163,12 @@ class Rollout:
         the large ones already copied), checked, and the episodes that ended in it."""
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
+            dtype = buf.dtype
             try:
+                if any(part.dtype != dtype for part in parts):  # stack(out=) would cast them (rollout fuzz)
+                    raise TypeError
                 torch.stack(parts, out=buf)
-            except (RuntimeError, TypeError):  # torch's message does not name the key
+            except (RuntimeError, TypeError, AttributeError):  # torch's message does not name the key
                 raise EnvFault(_changed(key, buf, parts)) from None
         # the chunk's [T, B, ...] values of each leaf: its buffer, or for a large one its rows this chunk
         chunk = {**self._leaves, **{key: dest.view(self.chunk_steps, *self._specs[key][0]) for key, _, dest in eager}}
@@ -214,6 +217,8 @@ class Rollout:
         """Whether the buffers made for earlier chunks fit this chunk's first transition."""
         if self._rows is None or len(first) != self._width:
             return False
+        if sum(1 for key in first if (key if isinstance(key, tuple) else (key,)) not in _STAMP_KEYS) != len(self._specs):
+            return False  # as many leaves, but one of them new (one named like a stamp gone)
         for key, (shape, dtype, device) in self._specs.items():
             leaf = first.get(key)
             if leaf is None or leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
@@ -308,21 +313,29 @@ def _snapshot(root: TensorDictBase) -> dict:
 
 
 def _check_fresh(leaves: dict, before: dict) -> None:
-    """Refuse a step that wrote into a tensor the env had handed out before, and returned it as
-    the next leaf: the root leaf it stepped from is the very memory of the next one, and its values
-    changed during the step (``before``: copies taken when the env was handed the root). The rows
-    would hold the new values for both (pixel-DQN review: a frame stack rolled in its own buffer
-    stored observation == next observation in every row, without an error). A tensor handed out
-    again unchanged (a constant goal, a cached flag) is fine."""
+    """Refuse a step that wrote into a tensor the env had handed out before: a root leaf it
+    stepped from (the one the row stores as the step's ``observation``, say) whose values
+    changed during the step (``before``: copies taken when the env was handed the root). The
+    rows would hold the new values: with the buffer also returned as the next leaf, observation
+    == next observation in every row, without an error (pixel-DQN review: a frame stack rolled
+    in its own buffer); with a copy returned as the next leaf, the same for large leaves, and
+    for small ones with one step a chunk (rollout fuzz). A tensor handed out again unchanged
+    (a constant goal, a cached flag) is fine."""
     for key, old in before.items():
+        root = leaves.get(key)
+        if not (isinstance(root, torch.Tensor) and root.numel() and _changed_values(root, old)):
+            continue
         nxt = ("next", *key) if isinstance(key, tuple) else ("next", key)
-        after, root = leaves.get(nxt), leaves.get(key)
-        if (isinstance(after, torch.Tensor) and isinstance(root, torch.Tensor) and after.numel()
-                and after.data_ptr() == root.data_ptr() and after.shape == root.shape and _changed_values(root, old)):
+        after = leaves.get(nxt)
+        if isinstance(after, torch.Tensor) and after.data_ptr() == root.data_ptr() and after.shape == root.shape:
             raise EnvFault(f"the env wrote step values into the tensor it had returned for {key!r} and returned it "
                            f"again as {nxt!r}: the stored rows would hold the new values for both (e.g. a frame "
                            "stack rolled in place); return a fresh tensor every step (torch.roll, or .clone() of "
                            "the buffer)")
+        raise EnvFault(f"the env wrote into the tensor it had returned for {key!r} while stepping from it: the "
+                       f"stored rows would hold the new values as {key!r} (e.g. a frame stack rolled in place "
+                       "and handed out as the observation); return a fresh tensor every step (torch.roll, or "
+                       ".clone() of the buffer)")
 
 
 def _check_reused(leaves: dict, lazy: list[tuple], returned: dict) -> None:
@@ -363,7 +376,7 @@ def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:
     elif reward.numel() == out.numel():
         out.copy_(reward.detach().view(out.shape))  # copy_ casts to float64: exact, one op
     else:
-        out.copy_(reward.detach().reshape(*out.shape, -1).sum(-1))
+        out.copy_(reward.detach().reshape(*out.shape, -1).sum(-1, dtype=torch.float64))  # not float16's inf
 
 
 def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
@@ -371,8 +384,9 @@ def _copy_eager(eager: list[tuple], leaves: dict, t: int) -> None:
     for key, rows, _ in eager:
         leaf = _pop(leaves, key)
         if leaf.shape != rows[t].shape or leaf.dtype != rows[t].dtype:  # copy_ would broadcast/cast
-            raise RuntimeError(f"the env's transitions changed {key} within a chunk: "
-                               f"{tuple(rows[t].shape)} {rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}")
+            raise EnvFault(f"the env's transitions changed {key} within a chunk: {tuple(rows[t].shape)} "
+                           f"{rows[t].dtype}, then {tuple(leaf.shape)} {leaf.dtype}; every step must produce the "
+                           "same shapes and dtypes")
         copy_into(rows[t], leaf)
 
 
@@ -411,14 +425,19 @@ def _pop(leaves: dict, key) -> torch.Tensor:
     try:
         return leaves.pop(key)
     except KeyError:
-        raise RuntimeError(f"the env's transitions do not all have the key {key}; every step must "
-                           "produce the same keys") from None
+        raise EnvFault(f"the env's transitions do not all have the key {key}; every step must "
+                       "produce the same keys") from None
 
 
 def _changed(key, buf: torch.Tensor, parts: list) -> str:
     """Why the steps of a small leaf could not be stacked into its [T, B, ...] buffer."""
+    def kind(part) -> tuple:
+        if isinstance(part, torch.Tensor):
+            return tuple(part.shape), part.dtype
+        return "a", type(part).__name__  # not a tensor at all
+
     want = (tuple(buf.shape[1:]), buf.dtype)
-    got = next(((tuple(p.shape), p.dtype) for p in parts if (tuple(p.shape), p.dtype) != want), want)
+    got = next((kind(p) for p in parts if kind(p) != want), want)
     return (f"the env's transitions changed {key} within a chunk: {want[0]} {want[1]}, then {got[0]} {got[1]}; "
             "every step must produce the same shapes and dtypes")
 
@@ -427,5 +446,5 @@ def _pick(leaves: dict, key) -> torch.Tensor:
     try:
         return leaves[key]
     except KeyError:
-        raise RuntimeError(f"the env's transitions do not all have the key {key}; every step must "
-                           "produce the same keys") from None
+        raise EnvFault(f"the env's transitions do not all have the key {key}; every step must "
+                       "produce the same keys") from None
