@@ -330,12 +330,16 @@ class _SometimesKey(_Wrapped):
 def test_a_key_the_env_sets_only_sometimes_is_named_with_its_step():
     """The error said "the env's transitions do not all have the same keys" and named nothing
     (custom-env review): it now names the key, whether new or missing, the step, and workers.env."""
+    _refused_in_the_first_chunk(_SometimesKey(at=2), r"changed their keys at step 2 of a chunk: new "
+                                                     r"\[\('next', 'late'\)\], missing \[\]")
+
+
+def _refused_in_the_first_chunk(env, message: str, steps: int = STEPS) -> None:
+    """``env``'s first chunk raises ``EnvFault`` matching ``message``, naming workers.env."""
     from ingestd.errors import EnvFault
 
-    env = _SometimesKey(at=2)
-    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
-    with pytest.raises(EnvFault, match=r"changed their keys at step 2 of a chunk: new \[\('next', 'late'\)\], "
-                                       r"missing \[\]") as err:
+    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, steps)
+    with pytest.raises(EnvFault, match=message) as err:
         rollout.chunk(0)
     assert err.value.key == "workers.env"
 
@@ -400,13 +404,8 @@ def test_an_env_overwriting_the_root_it_steps_from_is_refused(frame, steps):
     """Rollout fuzz: a frame stack rolled in its buffer, handed out as the root observation and
     copied as the next one, stored observation == next observation without an error: for an
     image (copied after the step) and, with one step a chunk, for a small leaf."""
-    from ingestd.errors import EnvFault
-
-    env = _InPlaceFrames("root only", frame)
-    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, steps)
-    with pytest.raises(EnvFault, match=r"wrote into the tensor it had returned for 'observation' while stepping "
-                                       r"from it"):
-        rollout.chunk(0)
+    _refused_in_the_first_chunk(_InPlaceFrames("root only", frame),
+                                r"wrote into the tensor it had returned for 'observation' while stepping from it", steps)
 
 
 class _LateDtype(_SometimesKey):
@@ -424,14 +423,8 @@ class _LateDtype(_SometimesKey):
 def test_a_small_leaf_changing_dtype_within_a_chunk_is_refused_not_cast():
     """Rollout fuzz: stacked into the buffer made from the chunk's first step, an int64 leaf was
     stored as int32 (2**40 + 3 as 3), a float64 reward rounded to float32, without an error."""
-    from ingestd.errors import EnvFault
-
-    env = _LateDtype(at=2)
-    rollout = Rollout(env, Random(env.spec, seed=0), 0, 0, STEPS)
-    with pytest.raises(EnvFault, match=r"changed \('next', 'id'\) within a chunk: \(8, 1\) torch.int32, then "
-                                       r"\(8, 1\) torch.int64") as err:
-        rollout.chunk(0)
-    assert err.value.key == "workers.env"
+    _refused_in_the_first_chunk(_LateDtype(at=2), r"changed \('next', 'id'\) within a chunk: \(8, 1\) "
+                                                  r"torch.int32, then \(8, 1\) torch.int64")
 
 
 class _StampThenKey(_Wrapped):
