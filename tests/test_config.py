@@ -368,3 +368,14 @@ def test_default_control_address(environ, expected):
 def test_bad_ingestd_control_names_the_variable():
     with pytest.raises(ConfigError, match="INGESTD_CONTROL"):
         default_control_address({"INGESTD_CONTROL": "localhost:7000"}, uid=7)
+
+
+def test_a_directory_setting_naming_a_dangling_symlink_says_so(tmp_path):
+    """Review: a data dir linked to an unmounted place was "a file, not a directory"."""
+    from ingestd.service.instance import make_dir
+
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "not-mounted")
+    with pytest.raises(ConfigError, match=r"config key 'service.data_dir': .*data is a symlink to .*not-mounted, "
+                                          r"which is no directory"):
+        make_dir(link, "service.data_dir")

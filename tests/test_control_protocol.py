@@ -5,6 +5,7 @@ import json
 import os
 import stat
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -509,10 +510,11 @@ def test_restart_takes_one_worker_index_as_well_as_a_list():
 
     with ControlClient("ipc:///dev/shm/ingestd-nobody.sock", timeout=0.2, retries=0) as client:
         client.call = call
-        for workers in (5, [5], (5,)):
+        # review: any iterable of indices still works (a generator, dict keys, a numpy array)
+        for workers in (5, [5], (5,), (i for i in [5]), {5: None}.keys(), np.array([5]), np.int64(5)):
             with pytest.raises(LookupError):
                 client.restart(workers)
-    assert [request.workers for request in sent] == [(5,)] * 3
+    assert [request.workers for request in sent] == [(5,)] * 7
 
 
 @pytest.mark.parametrize("advertised, control, expected", [

@@ -126,7 +126,11 @@ WRONG_FILES = {  # how to write the file; how the message goes on after the file
     # a training checkpoint (user review: "does not hold a state dict", not saying what it did hold)
     "checkpoint": (lambda f: torch.save({"model": torch.nn.Linear(2, 3).state_dict(), "step": torch.tensor(3)}, f),
                    "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of 'model', "
-                   "'step'; 'model' hold(s) one: save that"),
+                   "'step', of which 'model' is a state dict; save one with torch.save(model.state_dict(), FILE)"),
+    # review: described after its "state_dict" entry replaced it, the file "held an empty dict"
+    "checkpoint, empty state_dict": (lambda f: torch.save({"state_dict": {}, "model": torch.nn.Linear(2, 3).state_dict()},
+                                                          f), "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of "
+                                         "'state_dict', 'model', of which 'model' is a state dict"),
     "encrypted zip member": (lambda f: f.write(_encrypted(_saved({"bias": torch.zeros(1), "obj": NotATensor()}))),
                              "cannot be loaded as weights ("),
 }

@@ -465,6 +465,8 @@ def test_a_constant_nan_or_a_moved_tensor_is_not_taken_for_an_in_place_write():
 
     goal = torch.tensor([1.0, float("nan")])
     assert not _changed_values(goal, goal.clone())  # NaN == NaN here: the same constant
+    odd = torch.complex(torch.tensor([float("nan")]), torch.tensor([1.0]))  # review: a complex NaN was "changed"
+    assert not _changed_values(odd, odd.clone()) and _changed_values(odd, odd.clone() + 1j)
     assert _changed_values(goal, torch.tensor([2.0, float("nan")]))
     assert not _changed_values(goal, goal.to(torch.float64))  # not the memory that was copied
 

@@ -272,3 +272,15 @@ def test_a_compiled_module_travels_under_its_own_names():
     assert [entry.name for entry in manifest_of(compiled.state_dict()).entries] == want
     state = decode(encode(compiled))
     assert list(state) == want and all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize("mine, theirs, prefix", [
+    (["weight", "a.weight"], ["module.a.weight", "module.weight"], "module."),  # review: the first match misled
+    (["module.w", "w"], ["module.module.w", "module.w"], "module."),  # a wrapped model wrapped again
+    (["w", "b"], ["x.w", "y.b"], None),
+    (["w"], ["w"], None),  # nothing to strip (the names match: no hint is asked for)
+])
+def test_a_common_prefix_of_the_pushed_names_is_found_over_every_name(mine, theirs, prefix):
+    from ingestd.weights.wire import _common_prefix
+
+    assert _common_prefix(mine, theirs) == prefix

@@ -360,13 +360,15 @@ def _check_reused(leaves: dict, lazy: list[tuple], returned: dict) -> None:
 
 
 def _changed_values(now: torch.Tensor, before: torch.Tensor) -> bool:
-    """Whether ``now`` holds other values than the copy ``before`` (NaN equal to NaN; a tensor
-    moved to another device is not the memory that was copied)."""
+    """Whether ``now``'s memory holds other bytes than the copy ``before`` (so a NaN, real or
+    complex, equals itself; a tensor moved to another device is not the memory that was copied)."""
     if now.device != before.device or now.dtype != before.dtype:
         return False
-    if torch.equal(now, before):
-        return False
-    return not (now.is_floating_point() and bool(((now == before) | (now.isnan() & before.isnan())).all()))
+    return now.shape != before.shape or not torch.equal(_bytes(now), _bytes(before))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).contiguous().view(torch.uint8)
 
 
 def _rewards_into(out: torch.Tensor, reward: torch.Tensor | None) -> None:

@@ -338,12 +338,14 @@ def load_state_dict(path: str) -> dict:
         from ingestd.control.torchfile import explain
 
         raise InputError("bad_input", explain(path, exc), EX_DATAERR) from None
+    loaded = obj
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
+        obj = obj["state_dict"]  # a {"state_dict": ..., "step": ...} checkpoint: its state dict
     if not isinstance(obj, dict) or not obj or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor){_found(obj)}; "
-                                      "save one with torch.save(model.state_dict(), FILE)", EX_DATAERR)
+        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor)"
+                                      f"{_found(loaded)}; save one with torch.save(model.state_dict(), FILE)",
+                         EX_DATAERR)
     return obj
 
 
@@ -351,7 +353,8 @@ def _found(obj) -> str:
     """What a file that is no state dict holds, for the error: a checkpoint's keys, and which
     of them hold state dicts (a ``{"model": ..., "optim": ...}`` checkpoint)."""
     if not isinstance(obj, dict):
-        return f": it holds a {type(obj).__name__}"
+        name = type(obj).__name__
+        return f": it holds {'an' if name[:1] in 'aeiou' else 'a'} {name}"
     if not obj:
         return ": it holds an empty dict"
     import torch
@@ -359,7 +362,8 @@ def _found(obj) -> str:
     keys = ", ".join(repr(k) for k in list(obj)[:8]) + (f" and {len(obj) - 8} more" if len(obj) > 8 else "")
     nested = [k for k, v in obj.items() if isinstance(v, dict) and v
               and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in v.items())]
-    inside = f"; {', '.join(repr(k) for k in nested[:4])} hold(s) one: save that" if nested else ""
+    verb = "is a state dict" if len(nested) == 1 else "are state dicts"
+    inside = f", of which {', '.join(repr(k) for k in nested[:4])} {verb}" if nested else ""
     return f": it holds a dict of {keys}{inside}"
 
 

@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import zmq
 
@@ -233,8 +233,8 @@ class ControlClient:
                 ) -> Acked:
         """Restart all workers, those listed, or the one given; with ``wait`` returns once they
         run again."""
-        if workers is not None and not isinstance(workers, (list, tuple, set, frozenset, range)):
-            workers = [workers]  # one index (refused below unless it is an integer)
+        if workers is not None and not isinstance(workers, Iterable):
+            workers = [workers]  # one index (refused below unless it is an integer); any iterable of them else
         chosen = None if workers is None else tuple(_whole(w, "a worker index") for w in workers)
         return Acked.from_json(self.call(Restart(workers=chosen, wait=wait, timeout_s=self._wait(timeout_s))))
 

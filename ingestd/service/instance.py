@@ -25,8 +25,9 @@ def make_dir(directory, key: str) -> None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True, mode=0o750)
     except FileExistsError:  # said "cannot create the directory ...: File exists" (user review)
-        raise ConfigError(key, f"{directory} is a file, not a directory; move it away or choose another {key}"
-                          ) from None
+        what = (f"is a symlink to {os.readlink(directory)}, which is no directory" if Path(directory).is_symlink()
+                else "is a file, not a directory")
+        raise ConfigError(key, f"{directory} {what}; move it away or choose another {key}") from None
     except OSError as exc:
         raise_unusable_path(key, exc, f"cannot create the directory {directory}")
 

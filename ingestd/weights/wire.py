@@ -186,7 +186,7 @@ class Manifest:
         if mismatched:
             problems.append("mismatched: " + "; ".join(mismatched[:8])
                             + (f" and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
-        prefix = _common_prefix(missing, unexpected)
+        prefix = _common_prefix(list(mine), list(theirs)) if missing else None
         if prefix:  # a DistributedDataParallel or torch.compile wrapper's state_dict
             problems.append(f"the pushed names are the policy's with {prefix!r} in front: push the unwrapped "
                             f"module's state_dict (model.module for DistributedDataParallel, model._orig_mod for "
@@ -200,16 +200,14 @@ class Manifest:
             raise BadWeights("weights do not match the policy: " + "; ".join(problems))
 
 
-def _common_prefix(missing: list[str], unexpected: list[str]) -> str | None:
-    """The one dotted prefix (``"module."``) that turns every missing name into an unexpected
-    one, when the two lists match that way; else None."""
-    if not missing or len(missing) != len(unexpected):
+def _common_prefix(mine: list[str], theirs: list[str]) -> str | None:
+    """The shortest dotted prefix (``"module."``) that turns every name of ``mine`` (the
+    policy's) into the names of ``theirs`` (what was pushed), if there is one; else None."""
+    if not mine or len(mine) != len(theirs):
         return None
-    first = next((u for u in unexpected if u.endswith("." + missing[0])), None)
-    if first is None:
-        return None
-    prefix = first[:-len(missing[0])]
-    return prefix if {prefix + m for m in missing} == set(unexpected) else None
+    pushed, first = set(theirs), mine[0]
+    candidates = sorted({name[:-len(first)] for name in theirs if name.endswith("." + first)}, key=len)
+    return next((p for p in candidates if {p + name for name in mine} == pushed), None)
 
 
 def _entry_from_json(index: int, obj: Any, max_bytes: int | None) -> Entry:
