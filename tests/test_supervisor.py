@@ -454,3 +454,23 @@ def test_the_backoff_of_a_long_streak_stays_at_its_cap():
     backoff's 2 ** streak overflowed a float at death 1025 and stopped the daemon."""
     policy = RestartPolicy(backoff_s=0.1, backoff_max_s=2.0)
     assert policy.backoff(1) == 0.1 and policy.backoff(64) == 2.0 and policy.backoff(5000) == 2.0
+
+
+def test_more_workers_than_cores_is_warned_of_once_per_scale_up(tmp_path, caplog):
+    """User review: ``ingestctl scale 100`` on 2 cores was taken silently; the workers then
+    starved and were restarted as hung."""
+    import logging
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    try:
+        supervisor = Supervisor(spec_of, stats, RestartPolicy())
+        with caplog.at_level(logging.WARNING, logger="ingestd.supervisor"):
+            supervisor.scale(cores)
+            assert not caplog.records
+            supervisor.scale(cores + 1)
+            supervisor.scale(cores + 1)  # no change: said once
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"{cores + 1} workers on {cores} cores"]
+    finally:
+        stats.close()

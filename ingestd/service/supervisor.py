@@ -85,6 +85,11 @@ class Supervisor:
     def scale(self, count: int) -> None:
         if not 0 <= count <= MAX_WORKERS:
             raise ValueError(f"worker count must be within 0..{MAX_WORKERS}, got {count}")
+        cores = len(os.sched_getaffinity(0))
+        if count > cores > 0 and count > self.count:  # user review: `scale 100` on 2 cores, then "hung" kills
+            log.warning("%d workers on %d cores: they take turns, each collects slower, and one kept off the cores "
+                        "for longer than workers.heartbeat_timeout_s is restarted as hung; more workers than cores "
+                        "only help envs that wait (I/O, a simulator in another process)", count, cores)
         for index in range(count):
             slot = self.slots.get(index)
             if slot is None:  # a new worker in this slot: its counters (frames, episodes, restarts)
