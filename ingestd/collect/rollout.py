@@ -164,11 +164,11 @@ class Rollout:
         for key, buf in self._lazy:  # small leaves: one stack per leaf and chunk
             parts = [_pick(leaves, key) for leaves in per_step]
             dtype = buf.dtype
+            if any(getattr(part, "dtype", None) != dtype for part in parts):  # stack(out=) would cast (fuzz)
+                raise EnvFault(_changed(key, buf, parts))
             try:
-                if any(part.dtype != dtype for part in parts):  # stack(out=) would cast them (rollout fuzz)
-                    raise TypeError
                 torch.stack(parts, out=buf)
-            except (RuntimeError, TypeError, AttributeError):  # torch's message does not name the key
+            except (RuntimeError, TypeError):  # torch's message does not name the key
                 raise EnvFault(_changed(key, buf, parts)) from None
         # the chunk's [T, B, ...] values of each leaf: its buffer, or for a large one its rows this chunk
         chunk = {**self._leaves, **{key: dest.view(self.chunk_steps, *self._specs[key][0]) for key, _, dest in eager}}
@@ -217,7 +217,7 @@ class Rollout:
         """Whether the buffers made for earlier chunks fit this chunk's first transition."""
         if self._rows is None or len(first) != self._width:
             return False
-        if sum(1 for key in first if (key if isinstance(key, tuple) else (key,)) not in _STAMP_KEYS) != len(self._specs):
+        if sum(1 for key in first if _as_tuple(key) not in _STAMP_KEYS) != len(self._specs):
             return False  # as many leaves, but one of them new (one named like a stamp gone)
         for key, (shape, dtype, device) in self._specs.items():
             leaf = first.get(key)
@@ -233,7 +233,7 @@ class Rollout:
         self._leaves, self._specs, self._eager, self._lazy, self._floats = {}, {}, [], [], []
         rows = TensorDict({}, batch_size=[total])
         for key, leaf in first.items():  # the first transition's key order, like a stack of them
-            key = key if isinstance(key, tuple) else (key,)
+            key = _as_tuple(key)
             if key in _STAMP_KEYS:  # an env's own leaf of a stamp's name: the stamp wins
                 continue
             name = key if len(key) > 1 else key[0]
@@ -254,10 +254,8 @@ class Rollout:
 
     def _keys_changed(self, leaves: dict, t: int) -> str:
         """Which keys a step's transition gained or lost against the chunk's first one."""
-        def norm(keys) -> set:
-            return {k if isinstance(k, tuple) else (k,) for k in keys}
-        now = norm(leaves) - _STAMP_KEYS
-        first = norm(self._specs)
+        now = {_as_tuple(k) for k in leaves} - _STAMP_KEYS
+        first = {_as_tuple(k) for k in self._specs}
         return (f"the env's transitions changed their keys at step {t} of a chunk: new {sorted(now - first)}, "
                 f"missing {sorted(first - now)}; every step must produce the same keys (a key the env sets "
                 "only sometimes: set it on every step)")
@@ -271,7 +269,7 @@ class Rollout:
         out = []
         for name in self._eager:
             shape, dtype, device = self._specs[name]
-            dest = into.get(name if isinstance(name, tuple) else (name,)) if into else None
+            dest = into.get(_as_tuple(name)) if into else None
             if (dest is None or dest.dtype != dtype or dest.device != device
                     or dest.shape != (steps * shape[0], *shape[1:]) or not dest.is_contiguous()):
                 buf = self._leaves[name]
@@ -306,6 +304,11 @@ class Rollout:
         return finished
 
 
+def _as_tuple(key) -> tuple:
+    """A key as ``items()`` gives it (a string at the root) as a tuple."""
+    return key if isinstance(key, tuple) else (key,)
+
+
 def _snapshot(root: TensorDictBase) -> dict:
     """Copies of the root's leaves as the env is handed them (its stamps and action aside)."""
     return {key: leaf.clone() for key, leaf in _leaves_of(root).items()
@@ -325,7 +328,7 @@ def _check_fresh(leaves: dict, before: dict) -> None:
         root = leaves.get(key)
         if not (isinstance(root, torch.Tensor) and root.numel() and _changed_values(root, old)):
             continue
-        nxt = ("next", *key) if isinstance(key, tuple) else ("next", key)
+        nxt = ("next", *_as_tuple(key))
         after = leaves.get(nxt)
         if isinstance(after, torch.Tensor) and after.data_ptr() == root.data_ptr() and after.shape == root.shape:
             raise EnvFault(f"the env wrote step values into the tensor it had returned for {key!r} and returned it "

@@ -109,7 +109,7 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
     except CapacityMismatch as exc:
         raise ConfigError("replay.capacity", f"{exc} (nothing there was changed)") from None
     except SchemaMismatch as exc:
-        raise ConfigError("replay.path", f"{exc}") from None
+        raise ConfigError("replay.path", str(exc)) from None
     except CorruptStorage as exc:
         raise ConfigError("replay.path", f"{exc} (nothing there was changed; restore the storage, move it "
                                          "away, or point replay.path at a new directory)") from None

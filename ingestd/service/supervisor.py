@@ -92,14 +92,18 @@ class Supervisor:
                         "only help envs that wait (I/O, a simulator in another process)", count, cores)
         for index in range(count):
             slot = self.slots.get(index)
+            spec = self._make_spec(index)  # for the count now (workers.threads = 0 shares the cores out)
+            self.stats[index]["threads_wanted"] = spec.threads  # a running worker applies it between chunks
             if slot is None:  # a new worker in this slot: its counters (frames, episodes, restarts)
                 # go on from the slot's earlier ones, as Prometheus counters must; an old error is not its own
-                self.slots[index] = Slot(self._make_spec(index), start_at=self._clock())
+                self.slots[index] = Slot(spec, start_at=self._clock())
                 self.stats.set_error(index, "")
                 rec = self.stats[index]
                 rec["desired"] = self.desired
                 rec["state"], rec["pid"] = State.STARTING, 0  # not the last worker's, until the next tick starts it
-            elif slot.retiring:  # asked to stop but not gone yet: keep it, running
+                continue
+            slot.spec = spec
+            if slot.retiring:  # asked to stop but not gone yet: keep it, running
                 slot.retiring = False
                 if slot.process is not None:
                     slot.restarting = True  # it may have seen the stop already: start it again once it exits
@@ -110,9 +114,6 @@ class Supervisor:
                 slot.retiring = True
                 self.stats[index]["desired"] = Desired.STOP
                 slot.start_at = None
-            elif index < count:  # the spec for the count now (workers.threads = 0 shares the cores out)
-                slot.spec = self._make_spec(index)
-                self.stats[index]["threads_wanted"] = slot.spec.threads  # applied between chunks
 
     def restart(self, indices: list[int] | None = None) -> list[int]:
         chosen = sorted(self.slots) if indices is None else indices
