@@ -1,0 +1,66 @@
+"""Where a client finds the daemon: its control address (given, ``$INGESTD_CONTROL`` or the
+default socket), checked before any connect, and the event and metrics addresses that ``ping``
+and ``status`` advertise, as a client reaches them (a wildcard bind at the control host)."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+
+def default_address(environ: Mapping[str, str] | None = None) -> str:
+    """$INGESTD_CONTROL, else the daemon's default ipc socket in the runtime dir."""
+    from ingestd.service.config import default_control_address
+
+    return default_control_address(os.environ if environ is None else environ)
+
+
+_ADDRESS_FORMS = "ipc:///absolute/path, ipc://@name or tcp://host:port"
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")  # a bind on every interface: not an address to connect to
+_TCP = re.compile(r"tcp://(?P<host>.+):(?P<port>\d+)")
+_HTTP = re.compile(r"http://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)(?P<path>/.*)")
+
+
+def check_address(address: str) -> str:
+    """``address``, stripped, if a client can connect to it (``_ADDRESS_FORMS``); ``ValueError``
+    otherwise, at once: ZeroMQ would only say "Invalid argument", at the first request."""
+    from ingestd.errors import ConfigError
+    from ingestd.service.config_schema import Address
+
+    try:
+        checked = Address("").check("address", address)
+    except ConfigError:
+        checked = ""
+    match = _TCP.fullmatch(checked)
+    if not checked or (checked.startswith("tcp://") and (match is None or match["host"] in _WILDCARD_HOSTS)):
+        raise ValueError(f"{address!r} is not a daemon address; expected {_ADDRESS_FORMS}")
+    return checked
+
+
+def events_address(advertised: str, control_address: str, local: str | None = None) -> str:
+    """Where to follow the events that ``ping`` says are at ``advertised``: a client on the local
+    ipc control socket follows the ``local`` ipc event socket bound beside a tcp:// one (no keys
+    needed there); a wildcard tcp bind (``0.0.0.0``, ``[::]``) is reached at the host of
+    ``control_address`` (loopback if that is an ipc socket)."""
+    if local and control_address.startswith("ipc://"):
+        return local
+    match = _TCP.fullmatch(advertised)
+    if match is None or match["host"] not in _WILDCARD_HOSTS:
+        return advertised
+    return f"tcp://{_control_host(control_address)}:{match['port']}"
+
+
+def metrics_url(advertised: str | None, control_address: str) -> str | None:
+    """Where to scrape the page that ``ping`` and ``status`` say is at ``advertised``: a
+    wildcard bind (``0.0.0.0``, ``[::]``) is reached at the host of ``control_address``, as
+    for :func:`events_address`. None and ``""`` (metrics off, not reported) pass through."""
+    match = _HTTP.fullmatch(advertised or "")
+    if match is None or match["host"] not in _WILDCARD_HOSTS:
+        return advertised
+    return f"http://{_control_host(control_address)}:{match['port']}{match['path']}"
+
+
+def _control_host(control_address: str) -> str:
+    """The host a client reaches the daemon at: that of a tcp:// control address, else loopback."""
+    control = _TCP.fullmatch(control_address)
+    return control["host"] if control is not None else "127.0.0.1"
