@@ -62,7 +62,19 @@ class ConfigError(IngestdError, ValueError):
 
     def __init__(self, key: str, message: str):
         self.key, self.message = key, message
+        self.errors: tuple[ConfigError, ...] = (self,)  # every problem found: see ``every``
         super().__init__(f"config key {key!r}: {message}")
+
+    @classmethod
+    def every(cls, errors: "list[ConfigError]") -> "ConfigError":
+        """One error for all of ``errors`` (a config is checked whole, not to its first problem):
+        the first's ``key`` and ``message``, ``errors`` holding each, and one line per error."""
+        if len(errors) == 1:
+            return errors[0]
+        combined = cls(errors[0].key, errors[0].message)
+        combined.errors = tuple(errors)
+        combined.args = ("\n".join(str(e) for e in errors),)
+        return combined
 
 
 class ConfigFileError(ConfigError):

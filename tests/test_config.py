@@ -188,6 +188,24 @@ def test_toml_syntax_error_names_the_file_line_and_column(tmp_path, text, messag
     assert "config key" not in str(info.value) and info.value.key == str(path)
 
 
+def test_every_problem_is_reported_at_once_and_cross_checks_wait_for_the_keys(tmp_path):
+    """A config with four problems names all four, in the file's order, not just the first;
+    the check across keys (capacity against workers) runs only once every key is right."""
+    path = write(tmp_path, '[workers]\ncount = -3\nchunk_stepz = 4\n[replay]\ncapacity = "big"\n[metrix]\nx = 1\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    keys = [e.key for e in info.value.errors]
+    assert keys == ["workers.count", "workers.chunk_stepz", "replay.capacity", "metrix"], str(info.value)
+    assert info.value.key == "workers.count" and str(info.value).count("\n") == 3
+    assert "did you mean 'workers.chunk_steps'" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # the keys right, the cross-key check still runs
+        load_config(overrides=["replay.capacity=10"])
+    assert [e.key for e in info.value.errors] == ["replay.capacity"] and "must be at least" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a bad key: no cross-key error judged on its default
+        load_config(overrides=["replay.capacity=10", "workers.count=x"])
+    assert [e.key for e in info.value.errors] == ["workers.count"], str(info.value)
+
+
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         config_from_dict({"workers": {"count": -1}})

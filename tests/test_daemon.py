@@ -328,10 +328,13 @@ def test_config_default_and_check(tmp_path):
     # weights no push could carry: said (not an error: a policy may never be pushed to)
     assert said["small"][1] == 0 and "over control.max_message_bytes (1024)" in said["small"][0], said["small"]
     bad = tmp_path / "bad.toml"
-    bad.write_text("[workers]\ncount = 1.5\n")
+    bad.write_text("[workers]\ncount = 1.5\nnum_envs = 0\n")
     res = subprocess.run([sys.executable, "-m", "ingestd.service.cli", "config", "check", str(bad)],
                          capture_output=True, text=True, timeout=30)
-    assert res.returncode == 78 and "workers.count" in res.stderr
+    lines = res.stderr.splitlines()  # every problem, each on its own line
+    assert res.returncode == 78 and len(lines) == 2, res.stderr
+    assert all(line.startswith("ingestd: config error: config key 'workers.") for line in lines), res.stderr
+    assert "'workers.count'" in lines[0] and "'workers.num_envs'" in lines[1], res.stderr
 
 
 @pytest.mark.parametrize("env_kwargs, said", [

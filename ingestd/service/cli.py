@@ -141,7 +141,8 @@ def _main(argv: list[str] | None) -> int:
             return _config_check(args, cfg)
         config = cfg.load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"ingestd: config error: {exc}", file=sys.stderr)
+        for each in exc.errors:
+            print(f"ingestd: config error: {each}", file=sys.stderr)
         return EX_CONFIG
     _setup_logging(config.service.log_level)
     try:

@@ -65,19 +65,29 @@ LIVE_KEYS: frozenset[str] = frozenset(key for key, f, _ in _settings() if f.meta
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Check raw TOML tables (``{"workers": {"count": 4}, ...}``) and build the frozen :class:`Config`.
 
-    Missing sections and keys take their defaults. Raises :class:`ConfigError`.
+    Missing sections and keys take their defaults. Raises :class:`ConfigError` for every problem
+    at once (``ConfigError.errors``), not just the first; the checks across keys run only once
+    each key is right on its own (else they would judge defaults standing in for bad values).
     """
     if not isinstance(data, Mapping):
         raise ConfigError("<config>", f"expected a table of sections, got {type(data).__name__}")
+    errors: list[ConfigError] = []
     sections: dict[str, Any] = {}
     for name, raw in data.items():
         if name not in SECTIONS:
-            raise _unknown_section(name, raw)
-        sections[name] = _section_from_dict(name, SECTIONS[name], raw)
+            errors.append(_unknown_section(name, raw))
+        else:
+            sections[name] = _section_from_dict(name, SECTIONS[name], raw, errors)
+    if errors:
+        raise ConfigError.every(errors)
     config = Config(**sections)
-    _check_workers(config)
-    _check_control(config.control)
-    _check_limiter(config.limiter)
+    for check, part in ((_check_workers, config), (_check_control, config.control), (_check_limiter, config.limiter)):
+        try:
+            check(part)
+        except ConfigError as exc:
+            errors.append(exc)
+    if errors:
+        raise ConfigError.every(errors)
     return config
 
 
@@ -90,17 +100,23 @@ def _check_limiter(c) -> None:
         raise ConfigError("limiter.max_diff", str(exc)) from None
 
 
-def _section_from_dict(name: str, cls: type, raw: Any) -> Any:
+def _section_from_dict(name: str, cls: type, raw: Any, errors: list[ConfigError]) -> Any:
+    """The section's dataclass from its table; each bad key adds its error to ``errors`` (and
+    keeps its default here)."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(name, f"[{name}] must be a table of keys (e.g. {name}.{section_keys(cls)[0]} = ...), "
-                                f"got {toml_value(raw) if _is_toml(raw) else type(raw).__name__}")
+        errors.append(ConfigError(name, f"[{name}] must be a table of keys (e.g. {name}.{section_keys(cls)[0]} = "
+                                        f"...), got {toml_value(raw) if _is_toml(raw) else type(raw).__name__}"))
+        return cls()
     by_name = {f.name: f for f in fields(cls)}
     values = {}
     for key, value in raw.items():
         f = by_name.get(key)
-        if f is None:
-            raise _unknown_key(name, key)
-        values[key] = f.metadata["rule"].check(f"{name}.{key}", value)
+        try:
+            if f is None:
+                raise _unknown_key(name, key)
+            values[key] = f.metadata["rule"].check(f"{name}.{key}", value)
+        except ConfigError as exc:
+            errors.append(exc)
     return cls(**values)
 
 
