@@ -518,6 +518,24 @@ def test_a_bad_batch_size_is_a_clear_error_and_the_reader_keeps_working(shm_dir,
             assert reader.sample(5, out=reader.empty_batch(size)).batch_size == (5,)
 
 
+def test_a_sample_too_large_for_memory_says_so_before_allocating(shm_dir, monkeypatch):
+    """sample(10**9) raised numpy's bare "Unable to allocate"; now a MemoryError says how
+    much the rows would take against the memory available, and what to do."""
+    import ingestd.replay.reader as reader_module
+
+    assert reader_module.available_memory() > 0  # this host's /proc/meminfo is read
+    monkeypatch.setattr(reader_module, "available_memory", lambda: 1 << 30)
+    path = filled(shm_dir / "r")
+    with ReplayReader(path, seed=0) as reader:
+        for call, what in ((lambda: reader.sample(10**9), r"sample\(1000000000\)"),
+                           (lambda: reader.empty_batch(10**9), r"empty_batch\(1000000000\)"),
+                           (lambda: reader.sample_sequences(10**7, 4), r"sample_sequences\(10000000, 4\)")):
+            with pytest.raises(MemoryError, match=what + rf": \d+ rows of {reader.row_bytes} bytes would take "
+                                                  r"[\d.]+ GiB, more than the 1.0 GiB .* sample fewer rows"):
+                call()
+        assert reader.sample(4).batch_size == (4,)  # the reader keeps working
+
+
 def test_gather_refuses_float_slots(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=0) as reader:

@@ -36,6 +36,7 @@ _REDRAW_ROUNDS = 64  # rejection rounds (by seqlock, no copy) over [0, len) befo
 _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
 _POLL_S = 0.002
 _POOL = 1 << 16  # random draws made at once
+_ROOM_CHECK_BYTES = 256 << 20  # a sample this large checks that it fits in memory first
 _ATTACH_CHECK_S = 1.0  # how often sampling checks that the storage is still the one at its path
 _readers: "weakref.WeakSet[ReplayReader]" = weakref.WeakSet()  # reseeded in a forked child
 
@@ -101,6 +102,7 @@ class ReplayReader(MappedStore):
         self._items = [None if len(shape) == 1 or math.prod(shape[1:]) == 1 else np.dtype(f"V{strides[0]}")
                        for _, shape, _, _, strides in self._groups]
         self._columns = [self.leaves[k] for k in self._layout.columns]
+        self.row_bytes = sum(leaf.row_bytes for leaf in self.schema.values())  # of one sampled row
         self._order = [k for keys, *_ in self._groups for k in keys] + list(self._layout.columns)
         self._plans = {(): plan_nodes(self._order)}  # extra keys -> how to nest the leaves
         self._outs: dict[int, Out] = {}  # id of a batch from empty_batch -> its parts
@@ -166,9 +168,23 @@ class ReplayReader(MappedStore):
             batch_size = rows_count(batch_size, "batch_size")
         if out is not None:
             return self._sample_into(out, batch_size, timeout)
+        if batch_size * self.row_bytes > _ROOM_CHECK_BYTES:
+            self.check_memory(batch_size, f"sample({batch_size})")
         if self._sampling.active:  # prioritized, policy lag or rate limit: ingestd.replay.sampling
             return self._sampling.sample(batch_size, timeout)
         return self._retrying(lambda: self._sample(batch_size), timeout)
+
+    def check_memory(self, rows: int, what: str) -> None:
+        """Raise ``MemoryError`` saying so when ``rows`` sampled rows would not fit in the memory
+        this host has available (``MemAvailable``), before any of it is allocated (numpy's bare
+        "Unable to allocate" said nothing of the cause, and one that fits the overcommit but not
+        the memory ends in the OOM killer)."""
+        need = rows * self.row_bytes
+        free = available_memory()
+        if free is not None and need > free:
+            raise MemoryError(f"{what}: {rows} rows of {self.row_bytes} bytes would take {need / 2**30:.1f} GiB, "
+                              f"more than the {free / 2**30:.1f} GiB of memory this host has available; "
+                              "sample fewer rows at a time")
 
     def _retrying(self, attempt: Callable[[], TensorDict | None], timeout: float | None) -> TensorDict:
         """``attempt()`` until it returns rows; ``EmptyReplay`` without ``timeout``."""
@@ -221,6 +237,7 @@ class ReplayReader(MappedStore):
         yield ``sample(n)``, a new batch, there."""
         self._check_open()
         n = rows_count(batch_size, "batch_size")
+        self.check_memory(n, f"empty_batch({n})")
         blocks = [torch.from_numpy(np.empty((shape[0], n, *shape[1:]), dtype))  # (leaves, n, *shape)
                   for _, shape, dtype, _, _ in self._groups]
         columns = [torch.empty((n, *c.shape[1:]), dtype=c.dtype) for c in self._columns]
@@ -461,6 +478,18 @@ def wait_deadline(timeout) -> float | None:
     if not timeout >= 0:  # NaN too: a NaN deadline would never pass
         raise ValueError(f"timeout must be >= 0 seconds (or None: do not wait), got {timeout}")
     return time.monotonic() + float(timeout)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes (None where there is none to read)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def rows_count(value, name: str) -> int:

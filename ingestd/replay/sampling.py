@@ -101,6 +101,7 @@ class Sampling:
         if length > self.reader.capacity:
             raise ValueError(f"length {length} is more steps than the storage's capacity {self.reader.capacity} "
                              "holds; sample shorter sequences")
+        self.reader.check_memory(batch * length, f"sample_sequences({batch}, {length})")
         if self._sequences is None:
             from ingestd.replay.sequences import SequenceSampler
 
