@@ -1,6 +1,8 @@
 """Commands that wait for workers do not wait for dead or failed ones; a clean stop."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import control_plugins
@@ -38,6 +40,9 @@ def _states(c: ControlClient) -> list[str]:
 def test_failed_worker_drops_out_of_every_wait(client):
     status = client.status()
     assert "simulated env failure" in status.workers[1].error
+    # when: seconds since it was reported (none for the healthy worker); where trainers follow weights
+    assert 0 <= status.workers[1].error_age_s < 120 and status.workers[0].error_age_s is None, status.workers
+    assert status.weights_path and Path(status.weights_path).is_file(), status.weights_path
     assert client.pause(timeout_s=5).workers == [0]
     assert client.resume(timeout_s=5).workers == [0]
     pushed = client.push_weights_detailed(control_plugins.weights(1.0), timeout_s=5)

@@ -174,6 +174,17 @@ def test_a_reply_from_an_older_daemon_lacks_only_the_fields_added_since():
     assert old_status.workers[0].recent_returns == [] and old_status.metrics_url == ""
     assert "metrics:" not in format_status(old_status)
     assert "metrics: off" in format_status(Status.from_json({**status, "metrics_url": None}))
+    assert old_status.weights_path == "" and old_status.workers[0].error_age_s is None  # came later too
+    assert "weights: v1; desired" in format_status(old_status)
+    hung = {**worker, "error": "hung: no heartbeat for 31.2 s", "error_age_s": 312.4}
+    text = format_status(Status.from_json({**status, "workers": [hung, {**hung, "index": 1, "error_age_s": None}],
+                                           "weights_path": "/run/ingestd/weights"}))
+    assert "  worker 0 (5 min ago): hung: no heartbeat for 31.2 s" in text, text  # when, not only what
+    assert "  worker 1: hung" in text and "weights: v1 (/run/ingestd/weights); desired" in text, text
+    from ingestd.control.cli import _ago
+
+    assert [_ago(t) for t in (0.4, 59.9, 60, 7300, 200000)] == ["0 s ago", "60 s ago", "1 min ago", "2 h ago",
+                                                                "2 d ago"]
 
 
 def test_ingestctl_reload_text_for_each_kind_of_reply(monkeypatch, capsys):

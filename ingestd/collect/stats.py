@@ -75,6 +75,7 @@ RECORD = np.dtype([
     ("returns_count", np.int64), ("returns", np.float64, (RING,)), ("lengths", np.int64, (RING,)),
     ("error", f"S{ERROR_BYTES}"),
     ("requested_restarts", np.int64),  # of ``restarts``: the ones a restart command asked for
+    ("error_at", np.float64),  # when ``error`` was set (time.time(); 0 without one)
     # collector features (ingestd.collect.features, ingestd.collect.profiling)
     ("threads", np.int64), ("threads_wanted", np.int64),  # applied; asked for by the daemon (0: as started)
     ("profile_seq", np.int64), ("profile_done", np.int64),
@@ -135,7 +136,9 @@ class StatsBlock:
         rec["heartbeat"] = rec["started_at"] = time.monotonic()
 
     def set_error(self, index: int, message: str) -> None:
-        self.records[index]["error"] = message.encode("utf-8", "replace")[:ERROR_BYTES]
+        rec = self.records[index]
+        rec["error"] = message.encode("utf-8", "replace")[:ERROR_BYTES]
+        rec["error_at"] = time.time() if message else 0.0
 
     def error(self, index: int) -> str:
         return bytes(self.records[index]["error"]).decode("utf-8", "replace")

@@ -279,14 +279,24 @@ def format_status(s) -> str:
                      f"v{w.weights_version}", "-" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.2f}s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
-    errors = [f"  worker {w.index}: {w.error}" for w in s.workers if w.error]
+    errors = [f"  worker {w.index}{'' if w.error_age_s is None else f' ({_ago(w.error_age_s)})'}: {w.error}"
+              for w in s.workers if w.error]
     r = s.replay
+    weights_at = f" ({s.weights_path})" if s.weights_path else ""
     lines += (["errors:", *errors] if errors else []) + [
         f"replay: {r.rows}/{r.capacity} rows, write_count {r.write_count} ({r.path})",
-        f"weights: v{s.weights_version}; desired: {s.desired}; workers wanted: {s.count}; "
+        f"weights: v{s.weights_version}{weights_at}; desired: {s.desired}; workers wanted: {s.count}; "
         f"uptime {s.uptime_s:.0f} s; pid {s.pid}",
     ] + ([] if s.metrics_url == "" else [f"metrics: {s.metrics_url or 'off'}"])  # "": an older daemon's reply
     return "\n".join(lines)
+
+
+def _ago(seconds: float) -> str:
+    """``12 s ago``, ``5 min ago``, ``3 h ago``, ``2 d ago``: when a worker's error was reported."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
 
 
 def _config(client, args, out: Output) -> int:

@@ -353,6 +353,7 @@ class WorkerStatus(Result):
     error: str
     pause_reason: str = ""  # while paused: "requested" (pause command) or "budget" (workers.total_frames)
     recent_returns: list[float] = field(default_factory=list)  # last finished episodes, oldest first (<= 32)
+    error_age_s: float | None = None  # seconds since ``error`` was set (None: no error, or an older daemon)
 
 
 @dataclass(frozen=True)
@@ -374,6 +375,7 @@ class Status(Result):
     workers: list[WorkerStatus]
     config: dict[str, Any]  # the daemon passes it pre-encoded (protocol.Preencoded); clients get a dict
     metrics_url: str | None = ""  # as in Pong ("": not reported, by a daemon older than this field)
+    weights_path: str | None = ""  # the weight store trainers follow (None: no policy weights; "": older daemon)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()

@@ -59,7 +59,7 @@ class RecordReader:
     request). Relies on the record layout being plain words (``ingestd.collect.stats.RECORD``)."""
 
     SCALARS = ("state", "pid", "incarnation", "frames", "episodes", "restarts", "weights_version", "heartbeat",
-               "returns_count", "pause_reason")
+               "returns_count", "pause_reason", "error_at")
 
     def __init__(self, records: np.ndarray):
         dtype = records.dtype

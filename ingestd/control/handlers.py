@@ -41,6 +41,7 @@ def ping(ctx: Context, request: Ping) -> dict:
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
     """Every worker's status, read straight from the shared stats records."""
     reader = ctx.record_reader()
+    wall = time.time()
     out = []
     for index in indices:
         rec, recent, error = reader.read(index)
@@ -52,7 +53,8 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
             weights_version=rec["weights_version"],
             heartbeat_age_s=None if (age := heartbeat_age(rec, now)) is None else round(age, 4),
             error=error, pause_reason=_pause_reason(state, PauseReason(rec["pause_reason"])),
-            recent_returns=recent))
+            recent_returns=recent,
+            error_age_s=round(max(wall - rec["error_at"], 0.0), 1) if error and rec["error_at"] else None))
     return out
 
 
@@ -80,6 +82,7 @@ def _status(ctx: Context) -> dict:
     return Status(
         pid=os.getpid(), uptime_s=round(time.time() - daemon.started_at, 3), desired=Desired(sup.desired).name.lower(),
         count=sup.count, weights_version=weights.version if weights is not None else 0, metrics_url=ctx.metrics_url(),
+        weights_path=str(weights.path) if weights is not None else None,
         replay=ReplayStatus(str(storage.path), min(write_count, storage.capacity), storage.capacity, write_count),
         workers=workers, config=ctx.config_json()).to_json()
 
