@@ -108,6 +108,7 @@ class Daemon:
         if self.claim is None:  # (``ingestd run`` claimed them before importing torch)
             self.claim = claim_instance(self.paths)
         self.layout = build_layout(self.config, self.paths, stopping=lambda: self._stop_requested)
+        self._first_write_count = self.layout.storage.write_count  # a reopened replay's rows are not this run's
         self._pins = [pin_dir(d) for d in (self.paths.runtime_dir, self.paths.data_dir, self.paths.replay)]
         w = self.config.workers
         self.supervisor = Supervisor(self.layout.worker_spec, self.layout.stats, restart_policy(w),
@@ -305,11 +306,14 @@ class Daemon:
 
     def status_line(self) -> str:
         stats, sup = self.layout.stats, self.supervisor
+        """``STATUS=``: the rows this run wrote come from the storage's count, as the replay's do (the
+        workers' frame counters move a moment after each commit, so READY read "0 frames" next to a
+        chunk's rows)."""
         running = sum(1 for i in sup.slots if stats.state(i) == State.RUNNING)
-        frames = sum(int(stats[i]["frames"]) for i in sup.slots)
         storage = self.layout.storage
-        return (f"{running}/{sup.count} workers running, {frames} frames, "
-                f"replay {len(storage)}/{storage.capacity} rows, write_count {storage.write_count}")
+        written = storage.write_count
+        return (f"{running}/{sup.count} workers running, {written - self._first_write_count} rows written since "
+                f"start, replay {len(storage)}/{storage.capacity} rows, write_count {written}")
 
 
 def pin_dir(path) -> int | None:
