@@ -150,7 +150,8 @@ def test_a_push_while_paused_is_deferred_and_applied_on_resume(client):
     before = client.status().weights_version
     pushed = client.push_weights_detailed(control_plugins.weights(0.0))
     assert (pushed.version, pushed.applied, pushed.deferred) == (before + 1, [], [0, 1]), pushed
-    assert [(w.state, w.weights_version) for w in client.status().workers] == [("paused", before)] * 2
+    assert [(w.state, w.weights_version, w.frames_per_s) for w in client.status().workers] == [
+        ("paused", before, 0.0)] * 2  # not the rate from before the pause
     client.resume()
     wait_for(lambda: [w.weights_version for w in client.status().workers] == [pushed.version] * 2, 10,
              "the resumed workers to apply the deferred version")
@@ -326,12 +327,18 @@ def test_slow_commands_do_not_block_ping(daemon, client):
                               f"restart ({len(asked)} in all)")
 
 
-def test_scale_up_and_down(client):
+def test_scale_up_and_down(daemon, client):
     assert client.scale(3).workers == [0, 1, 2]
     status = client.status()
     assert [w.state for w in status.workers] == ["running"] * 3 and status.count == 3
     assert client.scale(1).workers == [0]
     assert [w.index for w in client.status().workers] == [0]
+    # the operator's journal says what was changed (the handlers' events are logged, as the daemon's are)
+    client.pause()
+    client.resume()
+    wait_for(lambda: all(f"event {kind} " in daemon.log() for kind in ("workers.scaled", "paused", "resumed")), 5,
+             "the scale, pause and resume in the daemon's log")
+    assert "event workers.scaled {'count': 1, 'was': 3}" in daemon.log()
 
 
 def test_status_right_after_a_change_shows_it(daemon, client):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import numpy as np
@@ -181,6 +182,8 @@ def test_a_reply_from_an_older_daemon_lacks_only_the_fields_added_since():
                                            "weights_path": "/run/ingestd/weights"}))
     assert "  worker 0 (5 min ago): hung: no heartbeat for 31.2 s" in text, text  # when, not only what
     assert "  worker 1: hung" in text and "weights: v1 (/run/ingestd/weights); desired" in text, text
+    failed = format_status(Status.from_json({**status, "workers": [{**hung, "state": "failed", "pid": 0}]}))
+    assert re.search(r"^0 +failed +- +10 +1 +0 +- +0 +- +0.10s$", failed.splitlines()[1]), failed  # no weights
     from ingestd.control.cli import _ago
 
     assert [_ago(t) for t in (0.4, 59.9, 60, 7300, 200000)] == ["0 s ago", "60 s ago", "1 min ago", "2 h ago",

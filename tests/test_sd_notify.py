@@ -119,6 +119,31 @@ def test_abstract_notify_socket_and_message_format():
     assert not Notifier({}).enabled  # not under systemd: a silent no-op
 
 
+def test_status_line_counts_the_wanted_workers_and_says_how_many_failed():
+    """After a scale down the retiring worker is not counted (it read "2/1 workers running"), and
+    failed workers are named, so a READY with nothing written says why (user review)."""
+    from types import SimpleNamespace
+
+    from ingestd.collect.stats import State
+    from ingestd.service.daemon import Daemon
+
+    class Storage:
+        write_count, capacity = 5000, 10000
+
+        def __len__(self):
+            return 5000
+
+    def line(states, count):
+        fake = SimpleNamespace(layout=SimpleNamespace(stats=SimpleNamespace(state=states.__getitem__), storage=Storage()),
+                               supervisor=SimpleNamespace(slots=dict.fromkeys(range(len(states))), count=count),
+                               _first_write_count=1000)
+        return Daemon.status_line(fake)
+
+    assert line([State.RUNNING, State.RUNNING], 1) == ("1/1 workers running, 4000 rows written since start, "
+                                                       "replay 5000/10000 rows, write_count 5000")
+    assert line([State.FAILED, State.RUNNING, State.FAILED], 3).startswith("1/3 workers running, 2 failed, 4000 rows")
+
+
 # -- a real daemon ------------------------------------------------------------------------
 def test_ready_status_watchdog_reload_stopping_sequence():
     with WatchedDaemon(notify=True, env={"WATCHDOG_USEC": str(WATCHDOG_USEC)}) as d:

@@ -269,6 +269,9 @@ def _status(client, args, out: Output) -> int:
     return out.ok(raw, text)
 
 
+_HOLDS_WEIGHTS = frozenset(("running", "paused", "stopping"))  # a process that applied weights (not starting, failed)
+
+
 def format_status(s) -> str:
     rows = [("WORKER", "STATE", "PID", "FRAMES", "FRAMES/S", "EPISODES", "LAST RETURN", "RESTARTS", "WEIGHTS",
              "HEARTBEAT")]
@@ -276,7 +279,8 @@ def format_status(s) -> str:
         state = f"{w.state} ({w.pause_reason})" if w.pause_reason and w.pause_reason != "requested" else w.state
         rows.append((str(w.index), state, str(w.pid or "-"), str(w.frames), f"{w.frames_per_s:.0f}",
                      str(w.episodes), "-" if w.last_return is None else f"{w.last_return:.2f}", str(w.restarts),
-                     f"v{w.weights_version}", "-" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.2f}s"))
+                     f"v{w.weights_version}" if w.state in _HOLDS_WEIGHTS else "-",
+                     "-" if w.heartbeat_age_s is None else f"{w.heartbeat_age_s:.2f}s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     errors = [f"  worker {w.index}{'' if w.error_age_s is None else f' ({_ago(w.error_age_s)})'}: {w.error}"

@@ -48,7 +48,9 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
         state, pid = State(rec["state"]), rec["pid"]
         out.append(WorkerStatus(
             index=index, state=state.label, pid=pid, incarnation=rec["incarnation"], frames=rec["frames"],
-            frames_per_s=round(ctx.rates.rate(index), 1), episodes=rec["episodes"],
+            # the rate over the last seconds, for a worker collecting now: a paused, starting or failed one
+            # showed what it did before (user review: two paused workers at 15k frames/s)
+            frames_per_s=round(ctx.rates.rate(index), 1) if state == State.RUNNING else 0.0, episodes=rec["episodes"],
             last_return=recent[-1] if recent else None, restarts=rec["restarts"],
             weights_version=rec["weights_version"],
             heartbeat_age_s=None if (age := heartbeat_age(rec, now)) is None else round(age, 4),

@@ -94,7 +94,9 @@ class ControlServer:
             self._close_all()
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.ctx = Context(daemon, paths.events, publish=self.publish, status_cache=ReplyCache(self.status_max_age_s),
+        # the handlers' events (paused, scaled, limiter.changed...) go out through the daemon, as its own
+        # do: logged, then published here (an operator reading the journal sees who stopped collection)
+        self.ctx = Context(daemon, paths.events, publish=daemon.emit, status_cache=ReplyCache(self.status_max_age_s),
                            events_local=local_events)
         self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix="ingestd-control-slow")
         daemon.subscribe(self.publish)  # daemon events go out as they are

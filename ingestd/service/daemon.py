@@ -198,6 +198,7 @@ class Daemon:
             self._stop_requested = True
 
         def reload(signum, frame):
+            log.info("received SIGHUP: reloading the config")
             self._reload_requested = True
 
         signal.signal(signal.SIGTERM, stop)
@@ -293,8 +294,10 @@ class Daemon:
         """Run ``count`` workers (main thread): refused like a config file asking for it, e.g. when
         the replay is too small for that many writers."""
         config = self.checked_with({"workers.count": count})
+        was = self.supervisor.count
         self.adopt(config)  # first: workers started by the scale are made from it (their thread share)
         self.supervisor.scale(count)
+        self.emit("workers.scaled", count=count, was=was)
 
     def _reloaded(self) -> None:
         """READY=1 ends the RELOADING=1 state (sent only once the daemon was ready)."""
@@ -309,11 +312,13 @@ class Daemon:
         """``STATUS=``: the rows this run wrote come from the storage's count, as the replay's do (the
         workers' frame counters move a moment after each commit, so READY read "0 frames" next to a
         chunk's rows)."""
-        running = sum(1 for i in sup.slots if stats.state(i) == State.RUNNING)
+        wanted = [stats.state(i) for i in sup.slots if i < sup.count]  # not those a scale down retires
+        running, failed = wanted.count(State.RUNNING), wanted.count(State.FAILED)
         storage = self.layout.storage
         written = storage.write_count
-        return (f"{running}/{sup.count} workers running, {written - self._first_write_count} rows written since "
-                f"start, replay {len(storage)}/{storage.capacity} rows, write_count {written}")
+        return (f"{running}/{sup.count} workers running{f', {failed} failed' if failed else ''}, "
+                f"{written - self._first_write_count} rows written since start, "
+                f"replay {len(storage)}/{storage.capacity} rows, write_count {written}")
 
 
 def pin_dir(path) -> int | None:
