@@ -670,8 +670,28 @@ def test_sighup_with_a_bad_config_keeps_the_daemon_and_its_config():
         with ReplayReader(d.replay_path) as reader:
             count = reader.write_count
             wait_for(lambda: reader.write_count > count, 10, "the daemon to keep collecting")
+        assert "received SIGHUP" in d.log()
+        # the metrics say the file on disk is refused (the next start would fail on it), and once a good
+        # file is read, which of its changes wait for a restart
+        assert _metric(d, "ingestd_config_last_reload_successful") == "0"
+        d.config_path.write_text("[workers]\nrestart_budget = 3\npolicy_kwargs = { hidden = [32] }\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: _metric(d, "ingestd_config_last_reload_successful") == "1", 10, "the good reload")
+        assert _metric(d, "ingestd_config_restart_pending_keys") == "1"  # workers.policy_kwargs
+        assert time.time() - float(_metric(d, "ingestd_config_last_reload_success_timestamp_seconds")) < 30
         assert d.stop() == 0
         assert "workers.restart_budget" in d.log()
+
+
+def _metric(d: DaemonProc, name: str) -> str | None:
+    """The value of the sample ``name`` (with its labels, as exposed) on the daemon's /metrics page."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return line.split()[-1].replace(".0", "")
+    return None
 
 
 def _catches(pid: int, sig: int) -> bool:

@@ -277,7 +277,16 @@ class IngestdCollector(Collector):
         info = GaugeMetricFamily("ingestd_build_info", "Always 1; the labels name the versions running.",
                                  labels=["version", "python", "torch"])
         info.add_metric([self.build.version, self.build.python, self.build.torch], 1)
+        ok, ok_at, pending = self.telemetry.reloads()
         return [info,
                 GaugeMetricFamily("ingestd_up", "1 while the daemon answers scrapes.", value=1),
                 GaugeMetricFamily("ingestd_start_time_seconds", "Unix time the daemon started.",
-                                  value=self.started_at)]
+                                  value=self.started_at),
+                GaugeMetricFamily("ingestd_config_last_reload_successful", "1 if the last config reload (SIGHUP or "
+                                  "the reload command) was applied, 0 if the file was refused: the running config "
+                                  "stays, and the next start would fail on that file.", value=int(ok)),
+                GaugeMetricFamily("ingestd_config_last_reload_success_timestamp_seconds", "Unix time of the last "
+                                  "applied config reload (the start, if none since).", value=ok_at),
+                GaugeMetricFamily("ingestd_config_restart_pending_keys", "Config keys the file changed that apply only "
+                                  "at the next restart (the last reload applied the rest; its log line names them).",
+                                  value=len(pending))]

@@ -54,6 +54,7 @@ class Daemon:
         self.notifier = Notifier(environ)
         self.started_at = time.time()
         self.telemetry = Telemetry()
+        self.telemetry.observe_reload(True, self.started_at)  # the config read at start counts as applied
         # run first by every reload (command or SIGHUP), whatever becomes of the config file;
         # each returns fields for the reply and the config.reloaded event (the CURVE keys' count)
         self.reload_hooks: list[Callable[[], dict]] = []
@@ -233,10 +234,13 @@ class Daemon:
         for hook in self.reload_hooks:
             extra.update(hook())
         try:
-            return self._reload(extra)
+            result = self._reload(extra)
         except Exception as exc:
             exc.reload_extra = extra  # the reply says what the hooks did all the same (keys re-read)
+            self.telemetry.observe_reload(False, time.time())  # the metrics say the file on disk is refused
             raise
+        self.telemetry.observe_reload(True, time.time(), tuple(result["not_applied"]))
+        return result
 
     def _reload(self, extra: dict) -> dict:
         from ingestd.service.config import load_config, reloadable_diff

@@ -22,6 +22,9 @@ class Telemetry:
         self._push_count = 0
         self._push_sum = 0.0
         self._auth_refusals: Counter[str] = Counter()
+        # the config reloads (SIGHUP and the reload command): whether the last one applied, when the last
+        # good one was (the start counts as one), and the changed keys that wait for a restart
+        self._reload: tuple[bool, float, tuple[str, ...]] = (True, 0.0, ())
 
     def observe_request(self, cmd: str, outcome: str) -> None:
         """``outcome`` is ``ok`` or the stable error code of the reply."""
@@ -40,6 +43,18 @@ class Telemetry:
         """A CURVE refusal: ``unknown_key`` (a handshake) or ``revoked`` (a request dropped)."""
         with self._lock:
             self._auth_refusals[reason] += 1
+
+    def observe_reload(self, ok: bool, at: float, restart_pending: tuple[str, ...] | None = None) -> None:
+        """A reload at Unix time ``at``: applied (``ok``; ``restart_pending`` the keys it could not
+        change live) or refused (the running config and its pending keys stay)."""
+        with self._lock:
+            _, last_ok_at, pending = self._reload
+            self._reload = (True, at, tuple(restart_pending or ())) if ok else (False, last_ok_at, pending)
+
+    def reloads(self) -> tuple[bool, float, tuple[str, ...]]:
+        """``(last reload applied, Unix time of the last applied one, keys waiting for a restart)``."""
+        with self._lock:
+            return self._reload
 
     def auth_refusals(self) -> dict[str, int]:
         with self._lock:
