@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import threading
 import time
@@ -17,7 +18,7 @@ import zmq
 import control_plugins
 from control_daemon import client, daemon, snapshots  # noqa: F401  (pytest fixtures)
 from control_daemon import MAX_FRAMES, MAX_MESSAGE_BYTES, rows_between, stream_breaks, wait_for
-from ingestd import BadReply, BadWeights, CommandFailed, ControlClient, DaemonUnavailable
+from ingestd import BadReply, BadWeights, ClosedError, CommandFailed, ControlClient, DaemonUnavailable
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
 from ingestd.control.commands import Snapshot
@@ -325,6 +326,26 @@ def test_slow_commands_do_not_block_ping(daemon, client):
     during = [t1 - t0 for t0, t1 in asked if t0 >= start and t1 <= end]
     assert len(during) >= 5, (f"only {len(during)} ping+status answered during a {(end - start) * 1e3:.0f} ms "
                               f"restart ({len(asked)} in all)")
+
+
+def test_a_client_inherited_through_fork_works_in_the_child_and_the_parent(daemon):
+    """A DataLoader worker given the trainer's client: its request hung in the parent's socket
+    past any timeout; now the child connects afresh and the parent's client keeps working."""
+    with ControlClient(daemon.control_address, timeout=5.0) as mine:
+        pid = mine.status().pid
+        child = os.fork()
+        if child == 0:  # the child: exit 0 only if the inherited client answers
+            code = 1
+            signal.alarm(30)  # a hang (as before) kills the child: the test fails instead of hanging
+            try:
+                code = 0 if mine.status().pid == pid and mine.ping()["pid"] == pid else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert mine.status().pid == pid  # the parent's connection is untouched
+    with pytest.raises(ClosedError, match="was closed; make a new one"):  # closed means closed
+        mine.status()
 
 
 def test_scale_up_and_down(daemon, client):

@@ -31,6 +31,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -47,7 +48,7 @@ from ingestd.control.commands import (
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
 )
-from ingestd.errors import BadReply, BadWeights, DaemonUnavailable
+from ingestd.errors import BadReply, BadWeights, ClosedError, DaemonUnavailable
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_ACK_TIMEOUT_S = 10.0  # sent with commands that wait for workers
@@ -122,11 +123,27 @@ class CurveKeys:
         curve.make_client(sock, self.server_public, *pair)
 
 
+_clients: "weakref.WeakSet[ControlClient]" = weakref.WeakSet()  # made afresh in a forked child
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class ControlClient:
     """Talks to a running daemon. ``ControlClient()`` finds the local default socket.
 
     ``wait_for_socket``: whether a request to an ipc:// socket file that does not exist (yet)
     waits up to ``timeout`` for a starting daemon to create it (the default), or fails at once.
+
+    A client inherited through ``fork`` (a DataLoader worker) works in the child: its first
+    request there connects afresh, from the child's own ZeroMQ context (the parent's socket and
+    context cannot be used after a fork; a request on them hung past any timeout). After
+    :meth:`close` every request raises ``ClosedError``.
     """
 
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *, retries: int = 2,
@@ -151,6 +168,16 @@ class ControlClient:
         self._prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}-"
         self._lock = threading.Lock()
         self._max_message_bytes: int | str | None = None  # the daemon's, once asked (_check_size)
+        self._closed = False
+        _clients.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: drop the parent's socket (its connection stays the parent's) and lock
+        (a parent thread may have held it), and connect from this process's context when asked."""
+        self._lock = threading.Lock()
+        self._socket = self._poller = None
+        self._context = zmq.Context.instance()  # pyzmq makes a new one in a child
+        self._prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}-"
 
     # -- commands ------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
@@ -281,6 +308,8 @@ class ControlClient:
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:
+            if self._closed:
+                raise ClosedError(f"this ControlClient of {self.address} was closed; make a new one")
             if self._own_dir and self._socket is None and self._socket_file is not None:
                 # connect only once the dir exists and is ours: libzmq reconnects by itself to whatever
                 # socket appears later, so a dir made meanwhile by another user would get the request
@@ -360,6 +389,7 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._discard()
+            self._closed = True
 
     def __enter__(self) -> ControlClient:
         return self
