@@ -536,6 +536,19 @@ def test_a_sample_too_large_for_memory_says_so_before_allocating(shm_dir, monkey
         assert reader.sample(4).batch_size == (4,)  # the reader keeps working
 
 
+def test_gather_keeps_the_shape_of_a_2d_index(shm_dir):
+    """A trainer gathering [B, T] slots got a flat [B * T] batch; it gets [B, T] rows, each at
+    its slot."""
+    path = filled(shm_dir / "r")
+    with ReplayReader(path, seed=0) as reader:
+        index = torch.tensor([[1, 2, 3], [7, 8, 9]])
+        rows = reader.gather(index)
+        assert rows.batch_size == (2, 3)
+        flat = reader.gather(index.reshape(-1))
+        assert (rows.reshape(-1) == flat).all()
+        assert reader.gather(np.array([[5]])).batch_size == (1, 1) and reader.gather([4, 5]).batch_size == (2,)
+
+
 def test_gather_refuses_float_slots(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=0) as reader:

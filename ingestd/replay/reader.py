@@ -286,16 +286,19 @@ class ReplayReader(MappedStore):
 
     def gather(self, index) -> TensorDict:
         """Copy the rows at slots ``index``; slots that are not committed, or change during
-        the copy, are replaced by uniform draws of committed rows."""
+        the copy, are replaced by uniform draws of committed rows. An index of several dimensions
+        (``[B, T]`` slots) gives a batch of that shape."""
         self._check_open()
         self.check_attached()
+        shape = np.shape(index.detach().cpu() if isinstance(index, torch.Tensor) else index)
         idx = slot_indices(index, "index")
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
             raise IndexError(f"slot indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
         records, columns, bad = self._copy(idx)
         if bad is not None and not self._redraw(records, columns, bad, max(len(self), 1)):
             raise EmptyReplay(f"replay {self.path} has no committed rows to stand in for uncommitted slots")
-        return self._assemble(records, columns, idx.size)
+        rows = self._assemble(records, columns, idx.size)
+        return rows.reshape(*shape) if len(shape) > 1 else rows  # (it flattened a [B, T] index)
 
     def _draw(self, n: int, bound: int) -> np.ndarray:
         """``n`` uniform slot numbers in ``[0, bound)`` (from a pool drawn in bulk)."""
