@@ -305,6 +305,11 @@ class Trainer:
     """One training run: sample fresh rows, step the learner, push every K updates, watch the daemon."""
 
     def __init__(self, cfg: TrainConfig, reader, ctl, status, learner, log: Callable[[str], None]):
+        nstep = reader.nstep  # n-step rows: their returns were discounted by the daemon's gamma
+        if nstep is not None and nstep["gamma"] != cfg.gamma:
+            log(f"the replay's rows are {nstep['n_step']}-step returns discounted by gamma={nstep['gamma']:g} "
+                f"(workers.gamma); bootstrapping with that, not --gamma {cfg.gamma:g}")
+            cfg = dataclasses.replace(cfg, gamma=nstep["gamma"])
         self.cfg, self.reader, self.ctl, self.log = cfg, reader, ctl, log
         obs_dim = math.prod(reader.schema[("observation",)].shape)
         hidden = cfg.hidden or daemon_hidden(status)

@@ -389,6 +389,13 @@ def test_daemon_stores_nstep_rows_matching_the_reference(env):
             collected = wait_status(client, budget_spent, 30, "the budget pause").workers[0].frames
         assert d.stop() == 0
         rows = stored_rows(d.replay_path)
+        with ReplayReader(d.replay_path) as reader:  # what a trainer bootstraps with
+            assert reader.nstep == {"n_step": n, "gamma": gamma}
+        if env == "Checksum":  # another discount into the same replay: refused (it mixed them silently)
+            again = subprocess.run(d.args() + ["--set", "workers.gamma=0.9"], capture_output=True, text=True,
+                                   timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+            assert again.returncode == 78 and "config key 'workers.gamma'" in again.stderr, again.stderr
+            assert "holds n-step rows of n_step=3, gamma=0.5" in again.stderr, again.stderr
     assert rows.batch_size[0] == collected  # the first chunk n-1 steps short, the rest flushed at stop
     flushed = rows.batch_size[0] - (n - 1) * num_envs
     for r in range(rows.batch_size[0]):
@@ -403,6 +410,39 @@ def test_daemon_stores_nstep_rows_matching_the_reference(env):
         assert rows["observation"][r].reshape(-1, 4).tolist() == [[w, i, e, s]] * rows_of(env)
         assert [bool(rows["next", f][r, 0]) for f in ("done", "terminated", "truncated")] == \
             [ref["done"], ref["terminated"], ref["truncated"]]
+
+
+def test_a_replay_of_nstep_rows_keeps_its_settings(tmp_path, caplog):
+    """nstep.json: recorded by the first daemon, refused when another n_step or gamma would mix
+    returns of another discount into the rows (naming the key), recorded for an older replay of
+    n-step rows that has none, and a damaged one is a config error naming replay.path."""
+    from types import SimpleNamespace
+
+    from ingestd.errors import ConfigError
+    from ingestd.replay.storage import ReplayStorage
+    from ingestd.service.layout import _check_nstep
+
+    settings = lambda n, g: SimpleNamespace(n_step=n, gamma=g)  # noqa: E731
+    with ReplayStorage.create(tmp_path / "r", {STEPS_KEY: ((1,), torch.int64), "x": ((2,), torch.float32)}, 64) as st:
+        assert st.nstep is None
+        _check_nstep(st, settings(3, 0.9))
+        assert st.nstep == {"n_step": 3, "gamma": 0.9}
+        _check_nstep(st, settings(3, 0.9))  # the same: fine
+        for n, g, key in ((5, 0.9, "workers.n_step"), (3, 0.5, "workers.gamma"), (1, 1.0, "workers.n_step")):
+            with pytest.raises(ConfigError, match="holds n-step rows of n_step=3, gamma=0.9") as err:
+                _check_nstep(st, settings(n, g))
+            assert err.value.key == key
+        assert st.nstep == {"n_step": 3, "gamma": 0.9}  # nothing changed
+        (st.path / "nstep.json").unlink()  # a replay from before ingestd recorded them
+        _check_nstep(st, settings(2, 0.99))
+        assert st.nstep == {"n_step": 2, "gamma": 0.99}
+        (st.path / "nstep.json").write_text("{oops")
+        with pytest.raises(ConfigError, match="nstep.json cannot be read as JSON") as err:
+            _check_nstep(st, settings(2, 0.99))
+        assert err.value.key == "replay.path"
+    with ReplayStorage.create(tmp_path / "one", {"x": ((2,), torch.float32)}, 64) as st:
+        _check_nstep(st, settings(1, 0.5))  # 1-step rows: no discount in them, nothing recorded
+        assert st.nstep is None and not (st.path / "nstep.json").exists()
 
 
 def test_a_worker_writing_a_slow_trace_keeps_its_heartbeat(tmp_path):

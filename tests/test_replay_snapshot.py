@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,6 +83,22 @@ def test_a_storage_without_a_tree_restores_at_the_default_priority(shm_dir):
     snapshot.restore(shm_dir / "snap", shm_dir / "dst")
     with ReplayReader(shm_dir / "dst", sampler="prioritized", seed=0) as reader:
         assert reader._sampling.tree.total == 200.0 and reader.sample(16).batch_size == (16,)
+
+
+def test_the_nstep_settings_travel_with_a_snapshot(shm_dir):
+    """A restored replay of n-step rows keeps its n_step and gamma: a daemon on it refuses another
+    discount as it would on the original."""
+    from ingestd.replay import files
+
+    path = filled(shm_dir / "r", "cartpole", 128, 100)
+    files.write_nstep(Path(path), 3, 0.9)
+    snapshot.save(path, shm_dir / "snap")
+    snapshot.restore(shm_dir / "snap", shm_dir / "back")
+    assert files.read_nstep(shm_dir / "back") == {"n_step": 3, "gamma": 0.9}
+    plain = filled(shm_dir / "plain", "cartpole", 128, 100)  # 1-step rows: nothing recorded, nothing restored
+    snapshot.save(plain, shm_dir / "snap1")
+    snapshot.restore(shm_dir / "snap1", shm_dir / "back1")
+    assert files.read_nstep(shm_dir / "back1") is None
 
 
 def test_an_empty_storage_round_trips(shm_dir):
@@ -356,8 +373,6 @@ def test_cli(shm_dir, capsys):
 def test_cli_says_an_unreadable_snapshot_is_an_io_error_not_a_damaged_one(shm_dir, capsys, monkeypatch):
     """A snapshot the user may not read was reported "not a usable snapshot" (65), and a missing
     one behind a link counted as present."""
-    from pathlib import Path
-
     src = filled(shm_dir / "src", "cartpole", 256, rows=50)
     assert cli.main(["replay", "snapshot", src, str(shm_dir / "snap")]) == 0
     capsys.readouterr()

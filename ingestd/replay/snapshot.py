@@ -4,8 +4,8 @@
 
     <snapshot>/meta.json       the storage's own meta.json (format, schema, capacity, layout)
     <snapshot>/snapshot.json   this format's name and version, write_count, incarnations,
-                               rows, skipped, block_rows, priorities, max_priority,
-                               written_at, and sha256 (of meta.json's bytes and the
+                               rows, skipped, block_rows, priorities, max_priority, nstep
+                               (the rows' n-step settings, or null), written_at, and sha256 (of meta.json's bytes and the
                                other values of snapshot.json)
     <snapshot>/seq.lz4         one int64 sequence number per slot; 0 for slots left out
     <snapshot>/priority.lz4    one float64 priority-tree leaf per slot (when the storage had a
@@ -108,6 +108,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 "write_count": int(header[files.H_WRITE_COUNT]),  # read last: above every copied row's index
                 "incarnations": int(header[files.H_INCARNATIONS]), "rows": int(np.count_nonzero(seq)),
                 "skipped": skipped, "block_rows": block, "priorities": top is not None, "max_priority": top,
+                "nstep": files.read_nstep(Path(replay_path)),  # the rows' n-step settings (None: 1-step rows)
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
@@ -149,6 +150,8 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 store._header[files.H_WRITE_COUNT] = info["write_count"]
                 store._header[files.H_INCARNATIONS] = info["incarnations"]
             _restore_priorities(store._priorities, seq, leaves, info["max_priority"])
+        if info.get("nstep"):  # (absent from snapshots older than the record)
+            files.write_nstep(tmp, **info["nstep"])
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -181,6 +184,10 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
         if info["priorities"] and (isinstance(top, bool) or not isinstance(top, (int, float))
                                    or not np.isfinite(top) or top < 0):
             raise ValueError(f"max_priority must be a finite number >= 0, got {top!r}")
+        nstep = info.get("nstep")
+        if nstep is not None and (not isinstance(nstep, dict) or type(nstep.get("n_step")) is not int
+                                  or not isinstance(nstep.get("gamma"), float) or set(nstep) != {"n_step", "gamma"}):
+            raise ValueError(f"nstep must be null or {{\"n_step\": int, \"gamma\": float}}, got {nstep!r}")
         if info.get("sha256") != _digest(snapshot / "meta.json", info):
             raise ValueError("snapshot.json or meta.json was changed or damaged (their sha256 does not match)")
         meta = files.read_meta(snapshot)

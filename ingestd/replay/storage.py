@@ -94,6 +94,15 @@ class MappedStore:
         return int(self._header[files.H_WRITE_COUNT])
 
     @property
+    def nstep(self) -> dict | None:
+        """``{"n_step": n, "gamma": g}`` when the rows are n-step rows (their ``("next", "reward")``
+        the ``gamma``-discounted sum of up to ``n`` rewards, ``steps_to_next_obs`` the steps it
+        covers), as the daemon recorded them; None for 1-step rows. A trainer bootstraps with
+        ``gamma ** steps_to_next_obs`` of this ``gamma``."""
+        self._check_open()
+        return files.read_nstep(self.path)
+
+    @property
     def has_columns(self) -> bool:
         """Whether some leaf is large enough (images) to be stored as its own column."""
         return bool(self._layout.columns)

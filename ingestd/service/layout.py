@@ -75,6 +75,11 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
     if Path(paths.replay).exists():
         check_owned(paths.replay, "replay.path")
     storage = _open_replay(paths.replay, example, config.replay.capacity)
+    try:
+        _check_nstep(storage, config.workers)
+    except BaseException:
+        storage.close()
+        raise
     stats = StatsBlock(paths.stats, create=True)
     weights = manifest = None
     if isinstance(policy, torch.nn.Module) and policy.state_dict():
@@ -119,6 +124,36 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
         if isinstance(exc, IngestdError):
             raise
         raise_unusable_path("replay.path", exc, f"cannot use {path} as the replay storage ({exc.filename})")
+
+
+def _check_nstep(storage: ReplayStorage, workers) -> None:
+    """A replay of n-step rows keeps the ``n_step`` and ``gamma`` its rows were made with
+    (``nstep.json``): rows of another discount would be mixed in silently (the schema is the
+    same), and a trainer could not tell them apart. Another setting is a config error naming the
+    key; a replay of n-step rows that recorded none (made before ingestd recorded it) records
+    the running ones."""
+    from ingestd.collect.nstep import STEPS_KEY
+    from ingestd.replay import files
+
+    if (STEPS_KEY,) not in storage.schema:
+        return  # 1-step rows: gamma is not in them (and n_step > 1 would be another schema)
+    want = {"n_step": workers.n_step, "gamma": float(workers.gamma)}
+    try:
+        recorded = files.read_nstep(storage.path)
+    except CorruptStorage as exc:
+        raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
+    if recorded is None:
+        if storage.write_count:
+            log.warning("replay %s: its n-step rows recorded no settings; recording the running ones (n_step=%d, "
+                        "gamma=%g)", storage.path, want["n_step"], want["gamma"])
+        files.write_nstep(storage.path, **want)
+    elif recorded != want:
+        key = "workers.n_step" if recorded["n_step"] != want["n_step"] else "workers.gamma"
+        raise ConfigError(key, f"the replay at {storage.path} holds n-step rows of n_step={recorded['n_step']}, "
+                               f"gamma={recorded['gamma']:g}; rows of n_step={want['n_step']}, "
+                               f"gamma={want['gamma']:g} would mix returns of another discount into it, and no "
+                               "row says which it has. Set workers.n_step and workers.gamma back, or point "
+                               "replay.path at a new replay (nothing there was changed)")
 
 
 def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True, fresh_replay: bool = False):
