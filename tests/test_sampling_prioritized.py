@@ -139,6 +139,22 @@ def test_frequencies_match_priorities_chi_square(shm_dir, alpha):
         assert chisquare_p(counts) < 1e-6
 
 
+def test_rows_that_keep_changing_are_not_called_an_empty_replay(shm_dir, monkeypatch):
+    """A full replay whose drawn rows kept changing under every re-draw said "no committed rows
+    could be copied; wait for the workers" (trainer review); it now says what happened."""
+    import ingestd.replay.sampling as sampling
+    from ingestd.errors import EmptyReplay
+
+    with make(shm_dir / "r") as store, ReplayReader(store.path, seed=7, sampler="prioritized") as r:
+        assert r.sample(8).batch_size == (8,)
+        monkeypatch.setattr(sampling, "_MAX_ROUNDS", 2)
+        monkeypatch.setattr(sampling.Sampling, "_rejected", lambda self, records, bad, n, leaves: np.arange(n))
+        with pytest.raises(EmptyReplay, match="the drawn rows kept changing under 2 rounds of re-draws"):
+            r.sample(8)
+        monkeypatch.undo()
+        assert r.sample(8).batch_size == (8,)  # and the next sample is fine
+
+
 def test_stratified_draw_is_exact_per_batch_and_shuffled(shm_dir):
     """One point per equal range of the total: a slot holding half the priority mass fills half
     of every batch, give or take the two ranges its interval only partly covers (an iid draw

@@ -82,6 +82,7 @@ class Sampling:
         self._record_bytes = layout.record_bytes
         self.last_lag: tuple[int, float, int] | None = None  # (min, mean, max) of the last sample
         self._min_version: int | None = None
+        self._churned = False  # the last attempt gave up re-drawing rows that kept changing
         self._eligible_cache: tuple[int | None, int, np.ndarray] | None = None  # (min_version, write_count, slots)
 
     @property
@@ -160,8 +161,13 @@ class Sampling:
         return self._min_version
 
     def _empty_reason(self, none_found: str | None) -> str:
+        churned, self._churned = self._churned, False
         if len(self.reader) == 0:
             return "no committed rows yet"
+        if churned:
+            return (f"the drawn rows kept changing under {_MAX_ROUNDS} rounds of re-draws (writers overwriting "
+                    "them as they were copied, or, for prioritized draws, priorities updated as fast as the tree "
+                    "was read); sample again, or smaller batches")
         if self.sampler == "prioritized" and self.tree.total <= 0:
             return "every priority is 0"
         if self._min_version is not None:
@@ -247,6 +253,7 @@ class Sampling:
         while bad is not None:
             rounds += 1
             if rounds > _MAX_ROUNDS:
+                self._churned = True  # (_empty_reason): there were rows, they kept changing
                 return None
             if rounds == _REJECT_ROUNDS:
                 draw = self._eligible_draw(filled)
