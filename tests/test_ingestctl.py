@@ -126,7 +126,7 @@ WRONG_FILES = {  # how to write the file; how the message goes on after the file
     # a training checkpoint (user review: "does not hold a state dict", not saying what it did hold)
     "checkpoint": (lambda f: torch.save({"model": torch.nn.Linear(2, 3).state_dict(), "step": torch.tensor(3)}, f),
                    "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of 'model', "
-                   "'step', of which 'model' is a state dict; save one with torch.save(model.state_dict(), FILE)"),
+                   "'step', of which 'model' is a state dict; pass --key NAME for the entry that is one"),
     # review: described after its "state_dict" entry replaced it, the file "held an empty dict"
     "checkpoint, empty state_dict": (lambda f: torch.save({"state_dict": {}, "model": torch.nn.Linear(2, 3).state_dict()},
                                                           f), "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of "
@@ -193,6 +193,20 @@ def test_push_weights_says_what_is_wrong_with_the_file(tmp_path, capsys, case):
     assert error["code"] == "bad_input"
     assert error["message"].startswith(f"{path} {expected.format(path)}"), error["message"]
     assert "weights_only" not in error["message"] and "\x1b" not in err and "\n" not in error["message"]
+
+
+def test_push_weights_key_picks_a_checkpoint_entry(tmp_path):
+    """``--key model`` pushes a training checkpoint's state dict (the message named the entry,
+    but there was no way to use it); a missing entry, or one that is no state dict, says so."""
+    path = tmp_path / "ckpt.pt"
+    model = torch.nn.Linear(2, 3).state_dict()
+    torch.save({"model": model, "step": torch.tensor(3)}, path)
+    loaded = cli.load_state_dict(str(path), "model")
+    assert loaded.keys() == model.keys() and all(torch.equal(loaded[k], model[k]) for k in model)
+    with pytest.raises(cli.InputError, match=r"ckpt.pt has no entry 'optim': it holds a dict of 'model', 'step'"):
+        cli.load_state_dict(str(path), "optim")
+    with pytest.raises(cli.InputError, match=r"ckpt.pt's entry 'step' does not hold a state dict"):
+        cli.load_state_dict(str(path), "step")
 
 
 def test_exit_codes(daemon, client, capsys, tmp_path):

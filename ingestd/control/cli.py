@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--wait", type=float, metavar="S")
     cmd = sub.add_parser("push-weights", help="push a state dict file (torch.save) as new policy weights")
     cmd.add_argument("file", metavar="FILE")
+    cmd.add_argument("--key", metavar="NAME", help="the checkpoint entry holding the state dict (a "
+                     "{'model': ..., 'optim': ...} file); default: the file itself, or its 'state_dict' entry")
     cmd.add_argument("--no-wait", action="store_true", help="reply once published, not once applied")
     cmd.add_argument("--wait", type=float, metavar="S")
     sub.add_parser("reload", help="re-read the daemon's config file (systemd ExecReload)")
@@ -327,7 +329,7 @@ def _scale(client, args, out: Output) -> int:
 
 
 def _push(client, args, out: Output) -> int:
-    state = load_state_dict(args.file)
+    state = load_state_dict(args.file, args.key)
     pushed = client.push_weights_detailed(state, wait=not args.no_wait, timeout_s=args.wait)
     deferred = f"; paused workers {_list(pushed.deferred)} apply it on resume" if pushed.deferred else ""
     if args.no_wait:  # nothing was waited for, so "applied by workers none" would read as a failure
@@ -339,9 +341,10 @@ def _push(client, args, out: Output) -> int:
                                     f"in {_ms(pushed.seconds)}{deferred}{dropped}")
 
 
-def load_state_dict(path: str) -> dict:
-    """A ``{name: tensor}`` mapping from a ``torch.save`` file, loaded with ``weights_only=True``
-    (no pickled code runs); ``InputError`` if the file is unreadable (66) or not a state dict (65)."""
+def load_state_dict(path: str, key: str | None = None) -> dict:
+    """A ``{name: tensor}`` mapping from a ``torch.save`` file (its entry ``key`` for a checkpoint
+    of several), loaded with ``weights_only=True`` (no pickled code runs); ``InputError`` if the
+    file is unreadable (66) or not a state dict (65)."""
     import torch
 
     try:
@@ -353,13 +356,19 @@ def load_state_dict(path: str) -> dict:
 
         raise InputError("bad_input", explain(path, exc), EX_DATAERR) from None
     loaded = obj
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+    if key is not None:
+        if not isinstance(obj, dict) or key not in obj:
+            raise InputError("bad_input", f"{path} has no entry {key!r}{_found(loaded)}", EX_DATAERR)
+        obj = obj[key]
+    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]  # a {"state_dict": ..., "step": ...} checkpoint: its state dict
     if not isinstance(obj, dict) or not obj or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise InputError("bad_input", f"{path} does not hold a state dict (a non-empty dict of name -> tensor)"
-                                      f"{_found(loaded)}; save one with torch.save(model.state_dict(), FILE)",
-                         EX_DATAERR)
+        what = f"{path}'s entry {key!r}" if key is not None else path
+        hint = "pass --key NAME for the entry that is one" if key is None and "state dict" in _found(loaded) \
+            else "save one with torch.save(model.state_dict(), FILE)"
+        raise InputError("bad_input", f"{what} does not hold a state dict (a non-empty dict of name -> tensor)"
+                                      f"{_found(loaded)}; {hint}", EX_DATAERR)
     return obj
 
 
