@@ -204,6 +204,25 @@ def test_ingestctl_reload_text_for_each_kind_of_reply(monkeypatch, capsys):
         assert says in out and "applied: log_level" in out and "needs a daemon restart: replay.capacity" in out, out
 
 
+def test_ingestctl_resume_says_which_workers_a_spent_budget_keeps_paused(capsys):
+    """``resume`` is acknowledged by budget-paused workers that stay paused: the reply said only
+    "resumed: workers 0, 1 acknowledged" (operator review)."""
+    from types import SimpleNamespace
+
+    from ingestd.control import cli
+    from ingestd.control.commands import Acked
+
+    for reasons, says in ((["budget", "budget"], "; workers 0, 1 stay paused: workers.total_frames is reached"),
+                          (["", ""], None)):
+        workers = [SimpleNamespace(index=i, pause_reason=r) for i, r in enumerate(reasons)]
+        fake = SimpleNamespace(resume=lambda timeout_s: Acked([0, 1], 0.01),
+                               status=lambda workers=workers: SimpleNamespace(workers=workers))
+        assert cli._pause_resume(fake, SimpleNamespace(command="resume", wait=None), cli.Output(as_json=False)) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("resumed: workers 0, 1 acknowledged in 10.0 ms"), out
+        assert (says in out) if says else "stay paused" not in out, out
+
+
 def test_ipc_socket_mode_is_private_even_with_a_lax_umask(tmp_path):
     old = os.umask(0)
     sock = zmq.Context.instance().socket(zmq.ROUTER)

@@ -313,7 +313,16 @@ def _config(client, args, out: Output) -> int:
 def _pause_resume(client, args, out: Output) -> int:
     acked = (client.pause if args.command == "pause" else client.resume)(timeout_s=args.wait)
     verb = "paused" if args.command == "pause" else "resumed"
-    return out.ok(acked.to_json(), f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}")
+
+    def text() -> str:
+        said = f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}"
+        if args.command == "resume":  # acknowledged, yet a spent frame budget keeps them paused: say so
+            held = [w.index for w in client.status().workers if w.pause_reason == "budget"]
+            if held:
+                said += (f"; workers {_list(held)} stay paused: workers.total_frames is reached (raise it and "
+                         "restart the daemon to collect more)")
+        return said
+    return out.ok(acked.to_json(), text)
 
 
 def _restart(client, args, out: Output) -> int:
