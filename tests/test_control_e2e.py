@@ -359,7 +359,7 @@ def test_scale_up_and_down(daemon, client):
     client.resume()
     wait_for(lambda: all(f"event {kind} " in daemon.log() for kind in ("workers.scaled", "paused", "resumed")), 5,
              "the scale, pause and resume in the daemon's log")
-    assert "event workers.scaled {'count': 1, 'was': 3}" in daemon.log()
+    assert 'event workers.scaled {"count": 1, "was": 3}' in daemon.log()
 
 
 def test_status_right_after_a_change_shows_it(daemon, client):

@@ -232,7 +232,7 @@ def test_a_worker_whose_env_build_hangs_is_restarted_as_hung_after_the_start_tim
                  "workers.start_timeout_s": 1.0}
     with DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
         d.wait_ready(rows=100)
-        wait_for(lambda: "event worker.hung {'worker': 1" in d.log(), 30, "worker 1 to be restarted as hung")
+        wait_for(lambda: 'event worker.hung {"worker": 1' in d.log(), 30, "worker 1 to be restarted as hung")
         assert "has taken longer than workers.start_timeout_s" in d.log()
         assert d.stop() == 0
 

@@ -35,7 +35,7 @@ CRASH_LOOPING, PROGRESSING = (1, 2, 3), (4, 5)
 
 def restarted_after(log: str, worker: int) -> list[float]:
     """The backoff delays of the worker's restarts, from the daemon's event log lines."""
-    return [float(s) for s in re.findall(rf"event worker\.restarted \{{'worker': {worker}, .*'after_s': ([\d.]+)\}}",
+    return [float(s) for s in re.findall(rf'event worker\.restarted \{{"worker": {worker}, .*"after_s": ([\d.]+)\}}',
                                          log)]
 
 

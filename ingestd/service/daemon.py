@@ -2,6 +2,7 @@
 talks to systemd, and serves commands submitted by other threads."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -92,7 +93,7 @@ class Daemon:
         self._listeners.append(listener)
 
     def emit(self, kind: str, **fields) -> None:
-        log.info("event %s %s", kind, fields)
+        log.info("event %s %s", kind, json.dumps(fields, default=str))  # JSON: what a log search can parse
         if kind == "worker.died":  # it may have died between its commit and entering the rows' priorities
             self._priorities_to_repair = True
         for listener in self._listeners:
