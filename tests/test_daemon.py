@@ -247,7 +247,7 @@ def test_a_hung_worker_dumps_its_stacks_before_it_is_killed():
         wait_for(lambda: "event worker.died" in d.log(), 10, "the hung worker to be killed")
         log = d.log()
         assert "faulty_envs.py" in log and "in fault" in log, log[-3000:]  # the stack shows where
-        assert "'exitcode': -9" in log, log[-3000:]  # then SIGKILLed
+        assert '"exitcode": -9' in log, log[-3000:]  # then SIGKILLed
         assert d.stop() == 0
 
 

@@ -549,6 +549,21 @@ def test_gather_keeps_the_shape_of_a_2d_index(shm_dir):
         assert reader.gather(np.array([[5]])).batch_size == (1, 1) and reader.gather([4, 5]).batch_size == (2,)
 
 
+def test_alpha_or_beta_on_a_uniform_reader_is_refused(shm_dir):
+    """``ReplayReader(path, alpha=0.7)`` sampled uniformly, silently (a forgotten sampler=)."""
+    import pickle
+
+    path = filled(shm_dir / "r")
+    for kwargs in ({"alpha": 0.7}, {"beta": 1.0}):
+        with pytest.raises(ValueError, match="alpha and beta shape prioritized sampling.*sampler='prioritized'"):
+            ReplayReader(path, **kwargs)
+    with ReplayReader(path) as uniform, ReplayReader(path, sampler="prioritized", alpha=0.7) as prioritized:
+        for reader in (uniform, prioritized):  # both still travel to spawned DataLoader workers
+            with pickle.loads(pickle.dumps(reader)) as copy:
+                assert copy.sample(4).batch_size == (4,)
+        assert prioritized._sampling.alpha == 0.7 and pickle.loads(pickle.dumps(prioritized))._sampling.alpha == 0.7
+
+
 def test_gather_refuses_float_slots(shm_dir):
     path = filled(shm_dir / "r")
     with ReplayReader(path, seed=0) as reader:

@@ -60,13 +60,18 @@ class ReplayReader(MappedStore):
     again by path, with its own seed too."""
 
     def __init__(self, path: str | os.PathLike, seed: int | None = None, *, sampler: str = "uniform",
-                 alpha: float = 0.6, beta: float = 0.4, max_policy_lag: int | None = None,
+                 alpha: float | None = None, beta: float | None = None, max_policy_lag: int | None = None,
                  weights_path: str | os.PathLike | None = None, weights_version: Callable[[], int] | None = None,
                  rate_limited: bool = True):
-        """``sampler``: "uniform" or "prioritized" (``alpha``, ``beta``); ``max_policy_lag``
+        """``sampler``: "uniform" or "prioritized" (``alpha``, default 0.6, and ``beta``, default 0.4:
+        given to a uniform reader they are refused, as a forgotten ``sampler=``); ``max_policy_lag``
         (with ``weights_path`` or ``weights_version``) rejects rows collected by weights more than
         that many versions old; ``rate_limited``: obey the storage's rate limiter. See
         docs/sampling.md and :mod:`ingestd.replay.sampling`."""
+        if sampler == "uniform" and (alpha is not None or beta is not None):
+            raise ValueError("alpha and beta shape prioritized sampling, but this reader samples uniformly: pass "
+                             "sampler='prioritized' with them, or leave them out")
+        alpha, beta = 0.6 if alpha is None else alpha, 0.4 if beta is None else beta
         # the path given, even if the process chdirs later; looked at before mapping, so a storage
         # swapped meanwhile is reported by the first check rather than missed
         self._attached_at = Path(path).expanduser().absolute()
@@ -91,7 +96,8 @@ class ReplayReader(MappedStore):
         self._replaced: str | None = None
         # how to attach again in another process (pickling: DataLoader workers under spawn)
         weights_at = None if weights_path is None else str(Path(weights_path).expanduser().absolute())
-        self._options = dict(sampler=sampler, alpha=alpha, beta=beta, max_policy_lag=max_policy_lag,
+        shape = {} if sampler == "uniform" else dict(alpha=alpha, beta=beta)  # (refused for a uniform one)
+        self._options = dict(sampler=sampler, **shape, max_policy_lag=max_policy_lag,
                              weights_path=weights_at, weights_version=weights_version, rate_limited=rate_limited)
         self._rng = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
