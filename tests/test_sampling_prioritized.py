@@ -155,6 +155,26 @@ def test_rows_that_keep_changing_are_not_called_an_empty_replay(shm_dir, monkeyp
         assert r.sample(8).batch_size == (8,)  # and the next sample is fine
 
 
+def test_reset_max_priority_brings_a_blown_up_maximum_back(shm_dir):
+    """One huge TD error made every later row enter at it, for good (the word only grows, across
+    restarts and trainers; trainer review); reset_max_priority sets it back."""
+    with make(shm_dir / "r") as store, ReplayReader(store.path, seed=7, sampler="prioritized", alpha=1.0) as r:
+        slots = np.arange(64)
+        assert r.update_priorities(slots, np.full(64, 2.0), write_index=store.seq[slots] // 2 - 1) == 64
+        assert r.update_priorities([40], [1e180], write_index=store.seq[[40]] // 2 - 1) == 1
+        tree = r._sampling.tree
+        assert tree.max_leaf == pytest.approx(1e180)
+        assert r.reset_max_priority(3.0) == pytest.approx(3.0 + 1e-6)
+        store.write(rows(8))  # new rows enter at the reset maximum, not at 1e180
+        entered = tree.levels[0][(store.write_count - 8 + np.arange(8)) % 64]
+        assert np.allclose(entered, 3.0 + 1e-6)
+        assert r.reset_max_priority() == pytest.approx(1e180)  # the largest a row holds now: slot 40's
+        with pytest.raises(ValueError, match="finite and > 0"):
+            r.reset_max_priority(float("nan"))
+    with ReplayReader(store.path) as uniform, pytest.raises(RuntimeError, match="sampler='prioritized'"):
+        uniform.reset_max_priority(1.0)
+
+
 def test_stratified_draw_is_exact_per_batch_and_shuffled(shm_dir):
     """One point per equal range of the total: a slot holding half the priority mass fills half
     of every batch, give or take the two ranges its interval only partly covers (an iid draw

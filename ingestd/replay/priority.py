@@ -190,6 +190,19 @@ class PriorityTree:
             self._propagate(np.sort(slots))
         return int(slots.size)
 
+    def reset_max(self, leaf: float | None = None, timeout: float | None = None) -> float:
+        """Set the leaf new rows enter at: ``leaf``, or (None) the largest leaf the rows hold now
+        (``DEFAULT_MAX`` when none holds one). The word otherwise only ever grows, so one huge TD
+        error would make every later row enter above every updated one. Returns it."""
+        if leaf is not None and not (np.isfinite(leaf) and leaf > 0):
+            raise ValueError(f"the maximum priority leaf must be finite and > 0, got {leaf}")
+        with self.locked(timeout=timeout):
+            if leaf is None:
+                held = float(self.levels[0][:self.capacity].max(initial=0.0))
+                leaf = held if held > 0 else DEFAULT_MAX
+            self._max[0] = leaf
+        return float(leaf)
+
     def clear(self, slots: np.ndarray, wait: Callable[[], None] | None = None) -> None:
         """Make slots unsampleable (rows cleared by recovery)."""
         slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))

@@ -429,6 +429,14 @@ class ReplayReader(MappedStore):
         self._check_open()
         return self._sampling.update_priorities(index, priority, write_index)
 
+    def reset_max_priority(self, priority: float | None = None) -> float:
+        """Make new rows enter the prioritized tree at ``priority`` (None: at the largest priority
+        the rows hold now) instead of the largest ever set, which only grows and is shared by every
+        trainer of the storage (one blown-up TD error made every later row outrank all updated
+        ones). Returns the new entry leaf, ``(priority + 1e-6) ** alpha``."""
+        self._check_open()
+        return self._sampling.reset_max_priority(priority)
+
     def sample_sequences(self, batch_size: int, length: int, cross_episodes: bool = False,
                          timeout: float | None = None) -> TensorDict:
         """``[batch_size, length]`` runs of consecutive steps of one (worker, env) trajectory."""

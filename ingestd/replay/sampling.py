@@ -178,6 +178,17 @@ class Sampling:
             return (f"no {lag}" if none_found is None else f"{none_found}, among {lag}") + held
         return none_found or "no committed rows could be copied"
 
+    def reset_max_priority(self, priority: float | None = None) -> float:
+        """New rows enter at ``priority`` from now on (None: at the largest the rows hold now);
+        returns that leaf, ``(priority + eps) ** alpha``."""
+        if self.tree is None:
+            raise RuntimeError("reset_max_priority needs ReplayReader(..., sampler='prioritized')")
+        if priority is None:
+            return self.tree.reset_max()
+        if not (math.isfinite(priority) and priority > 0):
+            raise ValueError(f"priority must be finite and > 0, got {priority}")
+        return self.tree.reset_max(min((priority + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
+
     def update_priorities(self, index, priority, write_index=None) -> int:
         """Set the priorities of sampled rows; returns how many were applied.
 
