@@ -150,12 +150,14 @@ def test_workers_outlast_a_trainer_stopped_inside_update_priorities(tmp_path):
             held = Held(d.replay_path / PRIORITY_LOCK)
             try:
                 time.sleep(3.0)
-                frames = client.status().workers[0].frames
+                worker = client.status().workers[0]  # says why it collects nothing (it read plain "running")
+                assert (worker.state, worker.pause_reason) == ("running", "priority_lock"), worker
+                frames = worker.frames
             finally:
                 held.release()
             wait_for(lambda: client.status().workers[0].frames > frames, 10, "collection after the release")
             worker = client.status().workers[0]
-            assert worker.restarts == 0 and worker.state == "running", worker
+            assert worker.restarts == 0 and worker.state == "running" and worker.pause_reason == "", worker
 
 
 def test_recovery_at_start_never_waits_for_a_trainers_priority_lock(shm_dir):

@@ -54,6 +54,7 @@ class PauseReason(enum.IntEnum):
     REQUESTED = 1  # a pause command
     BUDGET = 2  # workers.total_frames reached
     LIMITER = 3  # held back by the rate limiter (state stays running; ingestd.replay.limiter)
+    PRIORITY_LOCK = 4  # waiting for priority.lock, held by a trainer (stopped inside update_priorities?)
 
     @property
     def label(self) -> str:

@@ -30,6 +30,7 @@ _PR_SET_PDEATHSIG = 1
 WORKER_NICE = 5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _PAUSED_POLL_S = 0.001
+LOCK_SHOWN_S = 0.5  # a wait for priority.lock this long shows in status (shorter ones are a busy trainer)
 
 
 def _published(weights) -> int:
@@ -124,6 +125,7 @@ class Worker:
         self.spec, self.stats = spec, stats
         self.rec = stats[spec.index]
         self._heartbeats, self._clock = stats.records["heartbeat"], time.monotonic  # _beat runs every env step
+        self._lock_waited_from: float | None = None  # (_lock_wait) when this chunk began waiting for the lock
 
     def run(self) -> None:
         import torch
@@ -139,7 +141,7 @@ class Worker:
         torch.set_num_threads(max(1, spec.threads))
         rec["threads"] = torch.get_num_threads()
         storage = ReplayStorage.open(spec.replay_path)
-        storage.lock_wait = self._beat  # beat while a stopped trainer holds priority.lock
+        storage.lock_wait = self._lock_wait  # beat (and say so) while a stopped trainer holds priority.lock
         from ingestd.replay.limiter import Limiter
 
         self.limiter = Limiter.attach(spec.replay_path, inserts=lambda: storage.write_count)
@@ -206,6 +208,10 @@ class Worker:
             t0 = time.perf_counter()
             with self.extras.profile.chunk():
                 frames, finished = self._collect(rollout, storage)
+            if self._lock_waited_from is not None:  # the lock came: collecting again
+                self._lock_waited_from = None
+                if rec["pause_reason"] == PauseReason.PRIORITY_LOCK:
+                    rec["pause_reason"] = PauseReason.NONE
             self._account(frames, finished, time.perf_counter() - t0)
 
     def _collect(self, rollout, storage) -> tuple[int, Any]:
@@ -252,6 +258,17 @@ class Worker:
         rec["frames"] += frames
         rec["chunks"] += 1
         rec["chunk_seconds"] = seconds
+
+    def _lock_wait(self) -> None:
+        """Called while another process holds ``priority.lock`` (a trainer stopped inside
+        ``update_priorities`` stops every worker's commit): beat, and once the wait passes
+        ``LOCK_SHOWN_S`` show it in the stats record (``status``: ``running (priority_lock)``)."""
+        self._beat()
+        now = self._clock()
+        if self._lock_waited_from is None:
+            self._lock_waited_from = now
+        elif now - self._lock_waited_from >= LOCK_SHOWN_S and self.rec["pause_reason"] == PauseReason.NONE:
+            self.rec["pause_reason"] = PauseReason.PRIORITY_LOCK
 
     def _beat(self) -> None:
         """A heartbeat: before every chunk and after every env step, so only a step (not a chunk)

@@ -61,9 +61,11 @@ def _workers_status(ctx: Context, indices: list[int], now: float) -> list[Worker
 
 
 def _pause_reason(state: State, reason: PauseReason) -> str:
-    """Why a worker is not collecting: a paused one's reason, or ``limiter`` for a running one
-    the rate limiter holds back (docs/protocol.md, "status")."""
-    if state == State.PAUSED or (state == State.RUNNING and reason == PauseReason.LIMITER):
+    """Why a worker is not collecting: a paused one's reason, or for a running one ``limiter``
+    (the rate limiter holds it back) or ``priority_lock`` (a trainer holds the lock its commit
+    needs) (docs/protocol.md, "status")."""
+    if state == State.PAUSED or (state == State.RUNNING and reason in (PauseReason.LIMITER,
+                                                                       PauseReason.PRIORITY_LOCK)):
         return reason.label
     return ""
 
