@@ -745,6 +745,37 @@ def test_a_forked_reader_draws_its_own_slots(shm_dir):
             assert len(child) == 64 * 8 and not np.array_equal(np.frombuffer(child, np.int64), parent)
 
 
+class _Draws(torch.utils.data.IterableDataset):
+    """Each DataLoader worker yields the write indices of two samples of its (inherited) reader."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __iter__(self):
+        for _ in range(2):
+            yield self.reader.sample(32).get(WRITE_INDEX)
+
+
+def test_dataloader_workers_draw_reproducibly_from_the_readers_seed(shm_dir):
+    """``seed=`` was lost in DataLoader workers (reseeded from OS entropy, trainer review): with it
+    the workers' draws follow the seed and torch's per-worker seed, so a run under
+    torch.manual_seed repeats, while workers and epochs still differ; without it they do not."""
+    with PayloadStorage.create(shm_dir / "r", rp.spec("cartpole"), 4096) as store:
+        store.write(rp.template(store.schema, 4096))
+
+    def run(seed, torch_seed=0):
+        torch.manual_seed(torch_seed)
+        with ReplayReader(shm_dir / "r", seed=seed) as reader:
+            loader = torch.utils.data.DataLoader(_Draws(reader), batch_size=None, num_workers=2,
+                                                 multiprocessing_context="fork")
+            return [tuple(b.tolist()) for b in loader]
+
+    first, again = run(seed=7), run(seed=7)
+    assert first == again and len(set(first)) == 4  # reproducible; every worker its own stream
+    assert run(seed=7, torch_seed=1) != first and run(seed=8) != first  # another epoch or seed: new draws
+    assert run(seed=None) != run(seed=None)  # no seed: OS entropy
+
+
 def test_a_pickled_reader_attaches_again_with_its_options_and_its_own_draws(shm_dir):
     """DataLoader workers under spawn/forkserver got "cannot pickle 'mmap.mmap' object"."""
     import pickle

@@ -55,9 +55,11 @@ class ReplayReader(MappedStore):
     """Read-only view of a replay storage. Safe to use while workers write.
 
     One reader per thread: a reader keeps its own random state. A reader inherited through
-    ``fork`` (DataLoader workers) is reseeded from OS entropy in the child, so children do
-    not repeat their parent's draws (nor each other's); a pickled one (``spawn``) attaches
-    again by path, with its own seed too."""
+    ``fork`` (DataLoader workers) is reseeded in the child, so children do not repeat their
+    parent's draws (nor each other's); a pickled one (``spawn``) attaches again by path, with
+    its own seed too. In a DataLoader worker, a reader made with ``seed=`` draws from that seed
+    and the worker's torch seed (reproducible under ``torch.manual_seed``, new in every worker
+    and epoch); elsewhere, and without ``seed=``, from OS entropy."""
 
     def __init__(self, path: str | os.PathLike, seed: int | None = None, *, sampler: str = "uniform",
                  alpha: float | None = None, beta: float | None = None, max_policy_lag: int | None = None,
@@ -99,7 +101,8 @@ class ReplayReader(MappedStore):
         shape = {} if sampler == "uniform" else dict(alpha=alpha, beta=beta)  # (refused for a uniform one)
         self._options = dict(sampler=sampler, **shape, max_policy_lag=max_policy_lag,
                              weights_path=weights_at, weights_version=weights_version, rate_limited=rate_limited)
-        self._rng = np.random.default_rng(seed)
+        self._seed, self._reseed_pending = seed, False
+        self._stream = np.random.default_rng(seed)
         self._pool = np.empty(0, dtype=np.int64)
         self._pos = 0
         _readers.add(self)
@@ -128,11 +131,20 @@ class ReplayReader(MappedStore):
         seed (OS entropy, as a forked copy is reseeded). A ``weights_version`` callable must be
         picklable; ``weights_path`` travels as a path."""
         self._check_open()
-        return _attach, (str(self._attached_at), self._options)
+        return _attach, (str(self._attached_at), self._options, self._seed)
 
     def _reseed(self) -> None:
-        self._rng = np.random.default_rng()
+        """In a forked child, or a copy unpickled in another process: a stream of its own, made
+        at the first draw (a DataLoader worker's torch seed is known only by then)."""
+        self._reseed_pending = True
         self._pool, self._pos = np.empty(0, dtype=np.int64), 0
+
+    @property
+    def _rng(self) -> np.random.Generator:
+        if self._reseed_pending:
+            self._reseed_pending = False
+            self._stream = np.random.default_rng(_child_seed(self._seed))
+        return self._stream
 
     def _plan_groups(self) -> list[tuple[list, tuple, np.dtype, int, tuple]]:
         """Runs of leaves with equal dtype and shape lying side by side in the record, each as
@@ -471,8 +483,25 @@ class ReplayReader(MappedStore):
         super().close()
 
 
-def _attach(path: str, options: dict) -> ReplayReader:
-    return ReplayReader(path, **options)
+def _attach(path: str, options: dict, seed: int | None = None) -> ReplayReader:
+    reader = ReplayReader(path, seed=seed, **options)
+    reader._reseed()  # a copy in another process: its own stream, as a forked one
+    return reader
+
+
+def _child_seed(seed) -> np.random.SeedSequence | None:
+    """The seed of a reader's stream in a child process: ``seed`` and the DataLoader worker's
+    torch seed (drawn per worker and epoch from the trainer's torch generator), or None (OS
+    entropy) without either."""
+    import sys
+
+    data = sys.modules.get("torch.utils.data")
+    if not isinstance(seed, (int, np.integer)) or data is None:
+        return None
+    info = data.get_worker_info()
+    if info is None:
+        return None
+    return np.random.SeedSequence([int(seed) & (2**64 - 1), int(info.seed) & (2**64 - 1)])
 
 
 def file_identity(path) -> tuple[int, int] | None:
