@@ -30,7 +30,7 @@ from ingestd.errors import EmptyReplay, SampleTimeout
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.reader import rows_count, slot_indices, wait_deadline
+from ingestd.replay.inputs import rows_count, slot_indices, wait_deadline
 from ingestd.weights.follow import FollowedStore
 
 log = logging.getLogger("ingestd.replay")

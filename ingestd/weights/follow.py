@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ingestd.errors import IngestdError
-from ingestd.replay.reader import file_identity
+from ingestd.replay.inputs import file_identity
 
 log = logging.getLogger("ingestd.replay")
 
