@@ -190,14 +190,14 @@ def test_the_wait_for_learning_starts_ends_with_the_time_budget(cartpole_replay)
 def test_the_example_bootstraps_n_step_rows_with_the_replays_gamma(cartpole_replay):
     """Its own --gamma (0.99) gave wrong targets for rows the daemon discounted with another
     workers.gamma; it now takes the replay's (ReplayReader.nstep) and says so."""
-    from ingestd.replay import files
+    from ingestd.replay import nstep_record
 
     status = SimpleNamespace(weights_version=0, config={})
     said = []
     make = lambda: dqn_cartpole.Trainer(dqn_cartpole.TrainConfig(replay="unused"), cartpole_replay, None,  # noqa: E731
                                         status, dqn_cartpole.DQNLearner, said.append)
     assert make().cfg.gamma == 0.99 and not any("bootstrapping" in line for line in said)  # 1-step rows
-    files.write_nstep(cartpole_replay.path, 3, 0.5)
+    nstep_record.write(cartpole_replay.path, 3, 0.5)
     assert make().cfg.gamma == 0.5 and make().learner.cfg.gamma == 0.5
     assert any("3-step returns discounted by gamma=0.5" in line for line in said), said
 

@@ -88,17 +88,17 @@ def test_a_storage_without_a_tree_restores_at_the_default_priority(shm_dir):
 def test_the_nstep_settings_travel_with_a_snapshot(shm_dir):
     """A restored replay of n-step rows keeps its n_step and gamma: a daemon on it refuses another
     discount as it would on the original."""
-    from ingestd.replay import files
+    from ingestd.replay import nstep_record
 
     path = filled(shm_dir / "r", "cartpole", 128, 100)
-    files.write_nstep(Path(path), 3, 0.9)
+    nstep_record.write(Path(path), 3, 0.9)
     snapshot.save(path, shm_dir / "snap")
     snapshot.restore(shm_dir / "snap", shm_dir / "back")
-    assert files.read_nstep(shm_dir / "back") == {"n_step": 3, "gamma": 0.9}
+    assert nstep_record.read(shm_dir / "back") == {"n_step": 3, "gamma": 0.9}
     plain = filled(shm_dir / "plain", "cartpole", 128, 100)  # 1-step rows: nothing recorded, nothing restored
     snapshot.save(plain, shm_dir / "snap1")
     snapshot.restore(shm_dir / "snap1", shm_dir / "back1")
-    assert files.read_nstep(shm_dir / "back1") is None
+    assert nstep_record.read(shm_dir / "back1") is None
 
 
 def test_an_empty_storage_round_trips(shm_dir):

@@ -33,22 +33,15 @@ import time
 from typing import Any, Callable
 
 from ingestd.control.commands import MAX_WAIT_S
+from ingestd.control.torchfile import EX_DATAERR, EX_NOINPUT, InputError, load_state_dict
 
-EX_OK, EX_FAILED, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 1, 64, 65, 66
+EX_OK, EX_FAILED, EX_USAGE = 0, 1, 64  # EX_DATAERR 65 and EX_NOINPUT 66: torchfile
 EX_UNAVAILABLE, EX_CANTCREAT, EX_TEMPFAIL, EX_PROTOCOL = 69, 73, 75, 76
 EX_PIPE = 128 + 13  # what a shell reports for a command SIGPIPE ended (Python ignores SIGPIPE)
 
 
 class UsageError(Exception):
     pass
-
-
-class InputError(Exception):
-    """A local input file cannot be used; ``exit_code`` says how (65 or 66)."""
-
-    def __init__(self, code: str, message: str, exit_code: int):
-        super().__init__(message)
-        self.code, self.exit_code = code, exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -348,55 +341,6 @@ def _push(client, args, out: Output) -> int:
                "restart)" if pushed.dropped else "")
     return out.ok(pushed.to_json(), f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
                                     f"in {_ms(pushed.seconds)}{deferred}{dropped}")
-
-
-def load_state_dict(path: str, key: str | None = None) -> dict:
-    """A ``{name: tensor}`` mapping from a ``torch.save`` file (its entry ``key`` for a checkpoint
-    of several), loaded with ``weights_only=True`` (no pickled code runs); ``InputError`` if the
-    file is unreadable (66) or not a state dict (65)."""
-    import torch
-
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise InputError("no_input", f"cannot read {path}: {exc.strerror}", EX_NOINPUT) from None
-    except Exception as exc:  # weights_only refuses pickled objects; torch raises various types
-        from ingestd.control.torchfile import explain
-
-        raise InputError("bad_input", explain(path, exc), EX_DATAERR) from None
-    loaded = obj
-    if key is not None:
-        if not isinstance(obj, dict) or key not in obj:
-            raise InputError("bad_input", f"{path} has no entry {key!r}{_found(loaded)}", EX_DATAERR)
-        obj = obj[key]
-    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]  # a {"state_dict": ..., "step": ...} checkpoint: its state dict
-    if not isinstance(obj, dict) or not obj or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        what = f"{path}'s entry {key!r}" if key is not None else path
-        hint = "pass --key NAME for the entry that is one" if key is None and "state dict" in _found(loaded) \
-            else "save one with torch.save(model.state_dict(), FILE)"
-        raise InputError("bad_input", f"{what} does not hold a state dict (a non-empty dict of name -> tensor)"
-                                      f"{_found(loaded)}; {hint}", EX_DATAERR)
-    return obj
-
-
-def _found(obj) -> str:
-    """What a file that is no state dict holds, for the error: a checkpoint's keys, and which
-    of them hold state dicts (a ``{"model": ..., "optim": ...}`` checkpoint)."""
-    if not isinstance(obj, dict):
-        name = type(obj).__name__
-        return f": it holds {'an' if name[:1] in 'aeiou' else 'a'} {name}"
-    if not obj:
-        return ": it holds an empty dict"
-    import torch
-
-    keys = ", ".join(repr(k) for k in list(obj)[:8]) + (f" and {len(obj) - 8} more" if len(obj) > 8 else "")
-    nested = [k for k, v in obj.items() if isinstance(v, dict) and v
-              and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in v.items())]
-    verb = "is a state dict" if len(nested) == 1 else "are state dicts"
-    inside = f", of which {', '.join(repr(k) for k in nested[:4])} {verb}" if nested else ""
-    return f": it holds a dict of {keys}{inside}"
 
 
 def _profile(client, args, out: Output) -> int:

@@ -1,4 +1,5 @@
-"""Why a file that ``torch.load(weights_only=True)`` refused is not a state dict, in one line.
+"""Loading a state dict from a ``torch.save`` file (``ingestctl push-weights``), and saying in one
+line why a file that ``torch.load(weights_only=True)`` refused is not one.
 
 torch's own messages are long, carry ANSI escapes, and advise loading with
 ``weights_only=False``, which would run whatever code the file pickled; and
@@ -21,6 +22,71 @@ _MAX_READ = 16 << 20  # bytes of pickle looked at, at most (a zip member's are d
 _MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules"})
 _TENSOR_MACHINERY = ("torch.", "collections.OrderedDict")  # what a pickled state dict names
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+EX_DATAERR, EX_NOINPUT = 65, 66  # sysexits: the file is not a state dict; it cannot be read
+
+
+class InputError(Exception):
+    """A local input file cannot be used; ``exit_code`` says how (``EX_DATAERR`` or ``EX_NOINPUT``)."""
+
+    def __init__(self, code: str, message: str, exit_code: int):
+        super().__init__(message)
+        self.code, self.exit_code = code, exit_code
+
+
+def load_state_dict(path: str, key: str | None = None) -> dict:
+    """A ``{name: tensor}`` mapping from a ``torch.save`` file (its entry ``key`` for a checkpoint
+    of several), loaded with ``weights_only=True`` (no pickled code runs); ``InputError`` if the
+    file is unreadable (66) or not a state dict (65)."""
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise InputError("no_input", f"cannot read {path}: {exc.strerror}", EX_NOINPUT) from None
+    except Exception as exc:  # weights_only refuses pickled objects; torch raises various types
+        raise InputError("bad_input", explain(path, exc), EX_DATAERR) from None
+    loaded = obj
+    if key is not None:
+        if not isinstance(obj, dict) or key not in obj:
+            raise InputError("bad_input", f"{path} has no entry {key!r}{_found(loaded)}", EX_DATAERR)
+        obj = obj[key]
+    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]  # a {"state_dict": ..., "step": ...} checkpoint: its state dict
+    if not isinstance(obj, dict) or not obj or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        what = f"{path}'s entry {key!r}" if key is not None else path
+        hint = "pass --key NAME for the entry that is one" if key is None and _state_dict_entries(loaded) \
+            else "save one with torch.save(model.state_dict(), FILE)"
+        raise InputError("bad_input", f"{what} does not hold a state dict (a non-empty dict of name -> tensor)"
+                                      f"{_found(loaded)}; {hint}", EX_DATAERR)
+    return obj
+
+
+def _found(obj) -> str:
+    """What a file that is no state dict holds, for the error: a checkpoint's keys, and which
+    of them hold state dicts (a ``{"model": ..., "optim": ...}`` checkpoint)."""
+    if not isinstance(obj, dict):
+        name = type(obj).__name__
+        return f": it holds {'an' if name[:1] in 'aeiou' else 'a'} {name}"
+    if not obj:
+        return ": it holds an empty dict"
+    keys = ", ".join(repr(k) for k in list(obj)[:8]) + (f" and {len(obj) - 8} more" if len(obj) > 8 else "")
+    nested = _state_dict_entries(obj)
+    verb = "is a state dict" if len(nested) == 1 else "are state dicts"
+    inside = f", of which {', '.join(repr(k) for k in nested[:4])} {verb}" if nested else ""
+    return f": it holds a dict of {keys}{inside}"
+
+
+def _state_dict_entries(obj) -> list:
+    """The keys of a checkpoint dict whose values are state dicts (none for anything else)."""
+    import torch
+
+    if not isinstance(obj, dict):
+        return []
+    return [k for k, v in obj.items() if isinstance(v, dict) and v
+            and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in v.items())]
 
 
 def explain(path: str, error: BaseException) -> str:

@@ -147,33 +147,6 @@ def write_meta(path: Path, schema: dict[Key, Leaf], capacity: int) -> None:
     os.replace(tmp, path / "meta.json")
 
 
-NSTEP_FILE = "nstep.json"  # {"n_step": n, "gamma": g} of a replay of n-step rows (their returns' discount)
-
-
-def read_nstep(path: Path) -> dict | None:
-    """The n-step settings recorded with the storage at ``path`` (None: none recorded, which a
-    storage of 1-step rows never has)."""
-    try:
-        recorded = json.loads((Path(path) / NSTEP_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CorruptStorage(f"{Path(path) / NSTEP_FILE} cannot be read as JSON ({exc}); it records the n-step "
-                             "settings of the replay's rows: restore it, or move the replay away") from None
-    if (not isinstance(recorded, dict) or type(recorded.get("n_step")) is not int
-            or not isinstance(recorded.get("gamma"), float)):
-        raise CorruptStorage(f"{Path(path) / NSTEP_FILE} does not hold {{\"n_step\": int, \"gamma\": float}}, "
-                             f"got {recorded!r}")
-    return {"n_step": recorded["n_step"], "gamma": recorded["gamma"]}
-
-
-def write_nstep(path: Path, n_step: int, gamma: float) -> None:
-    """Record the n-step settings of the rows written into the storage at ``path``."""
-    tmp = Path(path) / f"{NSTEP_FILE}.tmp"
-    write_new(tmp, json.dumps({"n_step": int(n_step), "gamma": float(gamma)}).encode())
-    os.replace(tmp, Path(path) / NSTEP_FILE)
-
-
 def write_new(path: Path, data: bytes, mode: int = 0o640) -> None:
     """Write ``data`` to ``path`` (a temporary name of ours), never through a link planted there."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)

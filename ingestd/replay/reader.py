@@ -309,7 +309,7 @@ class ReplayReader(MappedStore):
         (``[B, T]`` slots) gives a batch of that shape."""
         self._check_open()
         self.check_attached()
-        shape = np.shape(index.detach().cpu() if isinstance(index, torch.Tensor) else index)
+        shape = tuple(index.shape) if isinstance(index, torch.Tensor) else np.shape(index)
         idx = slot_indices(index, "index")
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
             raise IndexError(f"slot indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")

@@ -50,7 +50,7 @@ import lz4.frame
 import numpy as np
 
 from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists, StorageNotFound
-from ingestd.replay import files, priority
+from ingestd.replay import files, nstep_record, priority
 from ingestd.replay.storage import MappedStore, ReplayStorage
 
 FORMAT = "ingestd-replay-snapshot"
@@ -108,7 +108,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 "write_count": int(header[files.H_WRITE_COUNT]),  # read last: above every copied row's index
                 "incarnations": int(header[files.H_INCARNATIONS]), "rows": int(np.count_nonzero(seq)),
                 "skipped": skipped, "block_rows": block, "priorities": top is not None, "max_priority": top,
-                "nstep": files.read_nstep(Path(replay_path)),  # the rows' n-step settings (None: 1-step rows)
+                "nstep": nstep_record.read(Path(replay_path)),  # the rows' n-step settings (None: 1-step rows)
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
@@ -151,7 +151,7 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 store._header[files.H_INCARNATIONS] = info["incarnations"]
             _restore_priorities(store._priorities, seq, leaves, info["max_priority"])
         if info.get("nstep"):  # (absent from snapshots older than the record)
-            files.write_nstep(tmp, **info["nstep"])
+            nstep_record.write(tmp, **info["nstep"])
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,9 +185,8 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
                                    or not np.isfinite(top) or top < 0):
             raise ValueError(f"max_priority must be a finite number >= 0, got {top!r}")
         nstep = info.get("nstep")
-        if nstep is not None and (not isinstance(nstep, dict) or type(nstep.get("n_step")) is not int
-                                  or not isinstance(nstep.get("gamma"), float) or set(nstep) != {"n_step", "gamma"}):
-            raise ValueError(f"nstep must be null or {{\"n_step\": int, \"gamma\": float}}, got {nstep!r}")
+        if nstep is not None and not nstep_record.valid(nstep):
+            raise ValueError(f"nstep must be null or {nstep_record.FORM}, got {nstep!r}")
         if info.get("sha256") != _digest(snapshot / "meta.json", info):
             raise ValueError("snapshot.json or meta.json was changed or damaged (their sha256 does not match)")
         meta = files.read_meta(snapshot)

@@ -30,7 +30,7 @@ from tensordict import TensorDictBase
 
 from ingestd.errors import CapacityMismatch, ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull
 from ingestd.replay import files
-from ingestd.replay import limiter, packing, priority
+from ingestd.replay import limiter, nstep_record, packing, priority
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
 
@@ -100,7 +100,7 @@ class MappedStore:
         covers), as the daemon recorded them; None for 1-step rows. A trainer bootstraps with
         ``gamma ** steps_to_next_obs`` of this ``gamma``."""
         self._check_open()
-        return files.read_nstep(self.path)
+        return nstep_record.read(self.path)
 
     @property
     def has_columns(self) -> bool:

@@ -133,20 +133,20 @@ def _check_nstep(storage: ReplayStorage, workers) -> None:
     key; a replay of n-step rows that recorded none (made before ingestd recorded it) records
     the running ones."""
     from ingestd.collect.nstep import STEPS_KEY
-    from ingestd.replay import files
+    from ingestd.replay import nstep_record
 
     if (STEPS_KEY,) not in storage.schema:
         return  # 1-step rows: gamma is not in them (and n_step > 1 would be another schema)
     want = {"n_step": workers.n_step, "gamma": float(workers.gamma)}
     try:
-        recorded = files.read_nstep(storage.path)
+        recorded = nstep_record.read(storage.path)
     except CorruptStorage as exc:
         raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
     if recorded is None:
         if storage.write_count:
             log.warning("replay %s: its n-step rows recorded no settings; recording the running ones (n_step=%d, "
                         "gamma=%g)", storage.path, want["n_step"], want["gamma"])
-        files.write_nstep(storage.path, **want)
+        nstep_record.write(storage.path, **want)
     elif recorded != want:
         key = "workers.n_step" if recorded["n_step"] != want["n_step"] else "workers.gamma"
         raise ConfigError(key, f"the replay at {storage.path} holds n-step rows of n_step={recorded['n_step']}, "
