@@ -124,6 +124,7 @@ def test_a_push_whose_worker_dies_before_applying_it_says_so():
                  "workers.policy": "control_plugins:readable", "workers.num_envs": 4,
                  "workers.heartbeat_timeout_s": 10.0, "replay.capacity": 10_000, "metrics.enabled": False}
     with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        d.wait_ready()  # the socket is bound by then: a loaded CI host took over the client's 5 s to start
         with ControlClient(d.control_address, timeout=5.0) as c:
             def frames_now():  # None until the supervisor lists its worker (status may come first)
                 workers = c.status().workers

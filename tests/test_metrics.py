@@ -21,7 +21,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_proc import DaemonProc, children
-from ingestd.collect.stats import MAX_WORKERS, RING, State, StatsBlock
+from ingestd.collect.stats import MAX_WORKERS, RING, PauseReason, State, StatsBlock
 from ingestd.errors import ConfigError
 from ingestd.metrics import IngestdCollector, MetricsExporter
 from ingestd.service.config import load_config
@@ -122,6 +122,18 @@ def test_a_worker_that_applied_no_weights_has_no_version_and_no_lag(block, state
     found, _, _ = scrape(block, weights_version=13)
     assert math.isnan(value(found, "ingestd_worker_weights_version", worker="0"))
     assert math.isnan(value(found, "ingestd_policy_lag_versions", worker="0"))
+
+
+@pytest.mark.parametrize("state,reason,hot", [
+    (State.RUNNING, PauseReason.LIMITER, "limiter"), (State.RUNNING, PauseReason.PRIORITY_LOCK, "priority_lock"),
+    (State.RUNNING, PauseReason.NONE, None), (State.PAUSED, PauseReason.REQUESTED, None)])
+def test_a_running_worker_that_waits_says_why(block, state, reason, hot):
+    """Trainer review: workers stopped by a trainer holding priority.lock read plain "running"."""
+    block[2]["state"], block[2]["pause_reason"] = state, reason
+    found, _, _ = scrape(block)
+    waiting = {dict(k[1])["reason"]: v for k, v in found.items() if k[0] == "ingestd_worker_waiting"}
+    assert set(waiting) == {"limiter", "priority_lock"}
+    assert {r for r, v in waiting.items() if v == 1} == ({hot} if hot else set())
 
 
 def test_restarts_are_counted_by_reason(block):

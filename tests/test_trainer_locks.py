@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -153,6 +154,8 @@ def test_workers_outlast_a_trainer_stopped_inside_update_priorities(tmp_path):
                 worker = client.status().workers[0]  # says why it collects nothing (it read plain "running")
                 assert (worker.state, worker.pause_reason) == ("running", "priority_lock"), worker
                 frames = worker.frames
+                metrics = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read()
+                assert b'ingestd_worker_waiting{reason="priority_lock",worker="0"} 1.0' in metrics
             finally:
                 held.release()
             wait_for(lambda: client.status().workers[0].frames > frames, 10, "collection after the release")

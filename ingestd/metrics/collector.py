@@ -190,6 +190,10 @@ class IngestdCollector(Collector):
         paused = GaugeMetricFamily("ingestd_worker_paused", "1 for why the worker is paused (requested: a pause "
                                    "command; budget: workers.total_frames reached), 0 for the other reasons.",
                                    labels=["worker", "reason"])
+        waiting = GaugeMetricFamily("ingestd_worker_waiting", "1 for why a running worker collects nothing "
+                                    "(limiter: held back by the rate limiter; priority_lock: its commit waits "
+                                    "over 0.5 s for a trainer's priority.lock), 0 for the other reasons.",
+                                    labels=["worker", "reason"])
         for index, rec in zip(indices.tolist(), recs):
             w = [str(index)]
             for key, value in self._worker_values(rec, current, now).items():
@@ -202,8 +206,11 @@ class IngestdCollector(Collector):
             reason = int(rec["pause_reason"]) if int(rec["state"]) == State.PAUSED else PauseReason.NONE
             for r in (PauseReason.REQUESTED, PauseReason.BUDGET):
                 paused.add_metric(w + [r.label], 1 if reason == r else 0)
+            held = int(rec["pause_reason"]) if int(rec["state"]) == State.RUNNING else PauseReason.NONE
+            for r in (PauseReason.LIMITER, PauseReason.PRIORITY_LOCK):
+                waiting.add_metric(w + [r.label], 1 if held == r else 0)
             self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
-        return [*families.values(), restarts, state, paused,
+        return [*families.values(), restarts, state, paused, waiting,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
                                   value=int(self.desired_workers())),
                 GaugeMetricFamily("ingestd_weights_version", "Version of the newest weights in the weight store "
