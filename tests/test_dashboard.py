@@ -141,7 +141,7 @@ REQUIRED_PANELS = [
     ("Weight-push latency", {"ingestd_weight_push_seconds_bucket"}),
     ("Rate limiter: error", {"ingestd_limiter_error"}),
     ("Rate limiter: trainer blocked", {"ingestd_limiter_reader_blocked_seconds_total"}),
-    ("Rate limiter: workers held back", {"ingestd_limiter_workers_blocked"}),
+    ("Rate limiter: workers held back", {"ingestd_limiter_workers_blocked", "ingestd_worker_waiting"}),
     ("Rate limiter: time blocked", {"ingestd_limiter_blocked_seconds_total"}),
     ("Policy lag of stored and sampled rows", {"ingestd_replay_policy_lag_versions",
                                                "ingestd_sampled_policy_lag_versions"}),
