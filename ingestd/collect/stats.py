@@ -61,6 +61,18 @@ class PauseReason(enum.IntEnum):
         return self.name.lower()
 
 
+PAUSES = (PauseReason.REQUESTED, PauseReason.BUDGET)  # a paused worker's reasons
+WAITS = (PauseReason.LIMITER, PauseReason.PRIORITY_LOCK)  # a running worker's, while it collects nothing
+
+
+def shown_reason(state: int, reason: int) -> int:
+    """Why a worker is not collecting, as status and the metrics show it: a paused one's
+    reason, a running one's wait (``WAITS``), else ``PauseReason.NONE``."""
+    if state == State.PAUSED or (state == State.RUNNING and reason in WAITS):
+        return reason
+    return PauseReason.NONE
+
+
 class Desired(enum.IntEnum):
     RUN = 0
     PAUSE = 1

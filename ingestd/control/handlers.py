@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ingestd import __version__
-from ingestd.collect.stats import NOT_LIVE, Desired, PauseReason, State, heartbeat_age
+from ingestd.collect.stats import NOT_LIVE, Desired, PauseReason, State, heartbeat_age, shown_reason
 from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
@@ -64,10 +64,8 @@ def _pause_reason(state: State, reason: PauseReason) -> str:
     """Why a worker is not collecting: a paused one's reason, or for a running one ``limiter``
     (the rate limiter holds it back) or ``priority_lock`` (a trainer holds the lock its commit
     needs) (docs/protocol.md, "status")."""
-    if state == State.PAUSED or (state == State.RUNNING and reason in (PauseReason.LIMITER,
-                                                                       PauseReason.PRIORITY_LOCK)):
-        return reason.label
-    return ""
+    shown = shown_reason(state, reason)
+    return PauseReason(shown).label if shown else ""
 
 
 def status(ctx: Context, request: GetStatus) -> Preencoded:

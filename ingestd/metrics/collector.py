@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ingestd.collect.stats import RING, PauseReason, State, StatsBlock, heartbeat_age
+from ingestd.collect.stats import PAUSES, RING, WAITS, State, StatsBlock, heartbeat_age, shown_reason
 from ingestd.service.telemetry import Telemetry
 
 log = logging.getLogger("ingestd.metrics")
@@ -203,12 +203,10 @@ class IngestdCollector(Collector):
             restarts.add_metric(w + ["requested"], requested)
             for s in STATES:
                 state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
-            reason = int(rec["pause_reason"]) if int(rec["state"]) == State.PAUSED else PauseReason.NONE
-            for r in (PauseReason.REQUESTED, PauseReason.BUDGET):
-                paused.add_metric(w + [r.label], 1 if reason == r else 0)
-            held = int(rec["pause_reason"]) if int(rec["state"]) == State.RUNNING else PauseReason.NONE
-            for r in (PauseReason.LIMITER, PauseReason.PRIORITY_LOCK):
-                waiting.add_metric(w + [r.label], 1 if held == r else 0)
+            shown = shown_reason(int(rec["state"]), int(rec["pause_reason"]))
+            for family, reasons in ((paused, PAUSES), (waiting, WAITS)):
+                for r in reasons:
+                    family.add_metric(w + [r.label], 1 if shown == r else 0)
             self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
         return [*families.values(), restarts, state, paused, waiting,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
