@@ -42,6 +42,9 @@ def pytest_sessionstart(session):
     hygiene = Hygiene()
     hygiene.start()
     session.config.add_cleanup(lambda: _check_hygiene(session, hygiene))
+    from forkserver import SERVER
+
+    session.config.add_cleanup(SERVER.close)  # before the check (cleanups run last-in, first-out)
 
 
 def _check_hygiene(session, hygiene) -> None:

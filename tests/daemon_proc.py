@@ -16,6 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from forkserver import SERVER
+
+# what a forked daemon does not re-read (forkserver): anything else in env= makes it exec
+_FORKABLE_ENV = frozenset(("PYTHONPATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"))
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -112,10 +116,15 @@ class Started:
 
 
 class DaemonProc(Started):
-    """``with DaemonProc(overrides={...}) as d: d.wait_ready()``."""
+    """``with DaemonProc(overrides={...}) as d: d.wait_ready()``.
+
+    ``launch="fork"`` (the default) forks the daemon from the session's fork server, which has
+    imported torch already (tests/forkserver.py); ``"exec"`` runs ``python -m ingestd.service.cli
+    run`` as a user does, for the tests of the start-up itself. ``INGESTD_TEST_LAUNCH=exec`` in
+    the environment makes every daemon exec."""
 
     def __init__(self, overrides: dict | None = None, config_text: str = "", notify: bool = False,
-                 env: dict | None = None):
+                 env: dict | None = None, launch: str = "fork"):
         self.root = Path(tempfile.mkdtemp(prefix="ingestd-t-", dir="/dev/shm"))
         self.data_dir, self.runtime_dir = self.root / "data", self.root / "run"
         self.metrics_port = free_port()
@@ -134,6 +143,7 @@ class DaemonProc(Started):
             self.notify_sock.bind(str(self.root / "notify.sock"))
             self.notify_sock.settimeout(0.1)
         self.messages: list[str] = []
+        self.launch = launch
         self.proc: subprocess.Popen | None = None
         self.known_children: set[int] = set()
 
@@ -146,11 +156,16 @@ class DaemonProc(Started):
     def control_address(self) -> str:
         return self.overrides.get("control.address") or f"ipc://{self.runtime_dir}/control.sock"
 
-    def args(self) -> list[str]:
-        args = [sys.executable, "-m", "ingestd.service.cli", "run", "--config", str(self.config_path)]
+    def run_args(self) -> list[str]:
+        """``ingestd``'s arguments: ``run --config FILE --set KEY=VALUE ...``."""
+        args = ["run", "--config", str(self.config_path)]
         for key, value in self.overrides.items():
             args += ["--set", f"{key}={_toml(value)}"]
         return args
+
+    def args(self) -> list[str]:
+        """The command an exec'd daemon runs."""
+        return [sys.executable, "-m", "ingestd.service.cli", *self.run_args()]
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> "DaemonProc":
@@ -159,8 +174,16 @@ class DaemonProc(Started):
             env["NOTIFY_SOCKET"] = str(self.root / "notify.sock")
         env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if self.forked():
+            self.proc = SERVER.launch(self.run_args(), env, os.getcwd(), self._log.fileno(), self._log.fileno())
+        else:
+            self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         return self
+
+    def forked(self) -> bool:
+        """Whether ``start`` forks the daemon from the fork server (else it execs it)."""
+        return (self.launch == "fork" and os.environ.get("INGESTD_TEST_LAUNCH", "fork") != "exec"
+                and all(k in _FORKABLE_ENV or k.startswith("INGESTD_") for k in self.extra_env))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

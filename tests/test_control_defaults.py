@@ -17,8 +17,8 @@ from ingestd.control import cli
 class WithoutConfigFile(DaemonProc):
     """``ingestd run`` with ``--set`` overrides only: no config file to re-read."""
 
-    def args(self) -> list[str]:
-        args = super().args()
+    def run_args(self) -> list[str]:
+        args = super().run_args()
         at = args.index("--config")
         return args[:at] + args[at + 2:]
 

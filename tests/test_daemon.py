@@ -32,7 +32,8 @@ def all_rows(path) -> "TensorDict":
 
 
 def test_default_config_ready_writes_and_stops_cleanly():
-    with DaemonProc(notify=True, overrides={"workers.num_envs": 64, "workers.chunk_steps": 64}) as d:
+    # exec'd as systemd runs it (the issue's end-to-end test), not forked from the tests' fork server
+    with DaemonProc(notify=True, overrides={"workers.num_envs": 64, "workers.chunk_steps": 64}, launch="exec") as d:
         ready = d.wait_notify("READY=1", timeout=60)
         assert "STATUS=" in ready
         with ReplayReader(d.replay_path) as reader:
@@ -707,7 +708,7 @@ def _catches(pid: int, sig: int) -> bool:
 def test_sighup_while_starting_neither_kills_the_daemon_nor_is_lost():
     """SIGHUP's default action killed a daemon still importing torch (exit 129, nothing
     logged); now the first thing `run` does is catch it, and the daemon reloads once it runs."""
-    with DaemonProc(overrides={"workers.count": 1}) as d:
+    with DaemonProc(overrides={"workers.count": 1}, launch="exec") as d:  # exec'd: the window is torch's import
         wait_for(lambda: _catches(d.proc.pid, signal.SIGHUP), 30, "the early SIGHUP handler")
         assert not (d.runtime_dir / "control.sock").exists(), "the daemon started before the signal was sent"
         d.config_path.write_text("[workers]\nrestart_budget = 7\n")  # changed after `run` read it

@@ -70,6 +70,9 @@ class WatchedDaemon(DaemonProc):
     def args(self) -> list[str]:
         return ["/bin/sh", "-c", 'WATCHDOG_PID=$$; export WATCHDOG_PID; exec "$@"', "sh", *super().args()]
 
+    def forked(self) -> bool:
+        return False  # the shell's exec is the point
+
 
 def environ_probe(ctx, out_dir: str):
     """An env factory (``test_sd_notify:environ_probe``) recording the sd_notify variables its process sees."""
