@@ -74,20 +74,24 @@ def pid_alive(pid: int) -> bool:
 
 def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeout: float = 600.0):
     """Run every ``ingestd run`` of ``cases`` (``{case: (argv prefix, settings, preexec_fn, tmp)}``,
-    settings as for ``--set``), ``at_once`` at a time (each imports torch: seconds of CPU and
-    ~300 MB; all of them at once would crowd a small machine), and return
-    ``{case: (exit status, stderr, tmp)}``. A generator for a fixture: whatever still runs when
-    it ends is killed by PID."""
+    settings as for ``--set``), ``at_once`` at a time (an exec'd one imports torch: seconds of
+    CPU and ~300 MB; all of them at once would crowd a small machine; a case without a prefix or
+    a preexec_fn is forked from the fork server), and return ``{case: (exit status, stderr,
+    tmp)}``. A generator for a fixture: whatever still runs when it ends is killed by PID."""
+    env = {**os.environ, **(env or {})}
     procs, results = {}, {}
     items = list(cases.items())
     try:
         for first in range(0, len(items), at_once):
             batch = items[first:first + at_once]
             for case, (prefix, settings, preexec, tmp) in batch:
-                argv = [*prefix, sys.executable, "-m", "ingestd.service.cli", "run",
-                        *(a for setting in settings for a in ("--set", setting))]
-                procs[case] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                               env={**os.environ, **(env or {})}, preexec_fn=preexec)
+                args = ["run", *(a for setting in settings for a in ("--set", setting))]
+                if not prefix and preexec is None and forkable(env):
+                    procs[case] = _forked_with_stderr(args, env)
+                    continue
+                procs[case] = subprocess.Popen([*prefix, sys.executable, "-m", "ingestd.service.cli", *args],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                               env=env, preexec_fn=preexec)
             for case, (_, _, _, tmp) in batch:
                 # communicate, not wait: a child blocked on a full stderr pipe would never exit
                 stderr = procs[case].communicate(timeout=timeout)[1]
@@ -98,6 +102,30 @@ def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeou
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def forkable(env: dict) -> bool:
+    """Whether a daemon with these variables set over the session's can be forked from the
+    fork server: none that only the interpreter's or torch's start reads (forkserver)."""
+    if os.environ.get("INGESTD_TEST_LAUNCH", "fork") == "exec":
+        return False
+    return all(k in _FORKABLE_ENV or k.startswith("INGESTD_") for k, v in env.items() if os.environ.get(k) != v)
+
+
+def _forked_with_stderr(args: list[str], env: dict):
+    """A forked ``ingestd`` whose stderr ``communicate()`` returns (stdout to /dev/null)."""
+    read, write = os.pipe()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        proc = SERVER.launch(args, env, os.getcwd(), null, write)
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+        os.close(null)
+    proc.stderr_fd = read
+    return proc
 
 
 class Started:
@@ -182,8 +210,7 @@ class DaemonProc(Started):
 
     def forked(self) -> bool:
         """Whether ``start`` forks the daemon from the fork server (else it execs it)."""
-        return (self.launch == "fork" and os.environ.get("INGESTD_TEST_LAUNCH", "fork") != "exec"
-                and all(k in _FORKABLE_ENV or k.startswith("INGESTD_") for k in self.extra_env))
+        return self.launch == "fork" and forkable(self.extra_env)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

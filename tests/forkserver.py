@@ -3,8 +3,8 @@
 A daemon spends ~4.5 s of its start-up importing torch and tensordict on a 2-core machine,
 and the suite starts about a hundred. The fork server imports ``ingestd.service.daemon``
 (torch and tensordict with it) once per session; each ``launch`` forks it and runs
-``ingestd.service.cli.main`` in the child with the caller's argv, environment, directory
-and stdout/stderr, which saves those seconds per daemon. What follows ``main()`` is the code
+``ingestd.service.cli.main`` in the child with the caller's argv, environment, directory,
+umask and stdout/stderr, which saves those seconds per daemon. What follows ``main()`` is the code
 ``ingestd run`` runs: the daemon then forks its workers as it always does. What a fork does
 not redo is the interpreter's start: ``PYTHONPATH`` is applied to ``sys.path`` by hand, and
 variables read while torch loads (``OMP_NUM_THREADS``, say) do not apply, so such tests,
@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 _HEADER = struct.Struct("!I")
@@ -44,6 +45,29 @@ class ForkedProc:
     def __init__(self, conn: socket.socket, pid: int, args: list[str]):
         self._conn, self.pid, self.args, self.returncode = conn, pid, args, None
         self._buffer = b""
+        self.stderr_fd: int | None = None  # the read end of its stderr, if a pipe: communicate() reads it
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str | None]:
+        """As ``Popen.communicate`` with only stderr piped: its text once it closes, after the exit."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.stderr_fd is None:
+            self.wait(timeout)
+            return None, None
+        chunks = []
+        try:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([self.stderr_fd], [], [], left)[0]:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                chunk = os.read(self.stderr_fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(self.stderr_fd)
+            self.stderr_fd = None
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return None, b"".join(chunks).decode(errors="replace")
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -96,7 +120,9 @@ class ForkServer:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
-            body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+            umask = os.umask(0o077)  # (read it: os.umask only sets) the child's, as exec would inherit it
+            os.umask(umask)
+            body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "umask": umask}).encode()
             socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [stdout, stderr])
             reply = b""
             while not reply.endswith(b"\n"):
@@ -216,6 +242,7 @@ def _child(request: dict, fds: list[int], sockets: list[socket.socket]) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
         # sys.path as `python -m` would make it: the directory it ran in, then PYTHONPATH
         sys.path[0] = os.getcwd()
         sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]

@@ -238,7 +238,7 @@ def test_docs_cover_every_shipped_file():
 def service():
     """A daemon under the unit's UMask=, its replay in the runtime dir as in the example config,
     with a fake NOTIFY_SOCKET, one worker from its config file, and a control socket."""
-    d = DaemonProc(notify=True, config_text="[workers]\ncount = 1\n")
+    d = DaemonProc(notify=True, config_text="[workers]\ncount = 1\n", launch="exec")
     d.overrides["replay.path"] = str(d.runtime_dir / "replay")
     old = os.umask(int(one("UMask"), 8))
     try:
