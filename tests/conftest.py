@@ -1,6 +1,7 @@
 """Shared fixtures (keep small and generic)."""
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,6 +45,7 @@ def pytest_sessionstart(session):
     session.config.add_cleanup(lambda: _check_hygiene(session, hygiene))
     from forkserver import SERVER
 
+    SERVER.base_env = dict(os.environ)  # with the session's marker: its forked daemons are attributed
     session.config.add_cleanup(SERVER.close)  # before the check (cleanups run last-in, first-out)
 
 

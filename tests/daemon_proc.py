@@ -105,11 +105,12 @@ def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeou
 
 
 def forkable(env: dict) -> bool:
-    """Whether a daemon with these variables set over the session's can be forked from the
-    fork server: none that only the interpreter's or torch's start reads (forkserver)."""
+    """Whether a daemon with these variables can be forked from the fork server: none that
+    differs from the server's own is one only an interpreter's or torch's start reads."""
     if os.environ.get("INGESTD_TEST_LAUNCH", "fork") == "exec":
         return False
-    return all(k in _FORKABLE_ENV or k.startswith("INGESTD_") for k, v in env.items() if os.environ.get(k) != v)
+    return all(k in _FORKABLE_ENV or k.startswith("INGESTD_")
+               for k, v in env.items() if SERVER.base_env.get(k) != v)
 
 
 def _forked_with_stderr(args: list[str], env: dict):
@@ -271,22 +272,24 @@ class DaemonProc(Started):
         return self.proc.wait(timeout)
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.remember_children()
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
+        try:
+            if self.proc is not None:
+                self.remember_children()
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                    self.proc.wait(10)
+        finally:  # the directory and the known children go even if the daemon could not be waited for
             for pid in self.known_children:
                 if pid_alive(pid):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
-        if self.notify_sock is not None:
-            self.notify_sock.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+            if getattr(self, "_log", None) is not None:
+                self._log.close()
+            if self.notify_sock is not None:
+                self.notify_sock.close()
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _toml(value) -> str:

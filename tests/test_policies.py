@@ -172,3 +172,28 @@ def test_mlp_seed_fixes_weights_without_touching_global_rng():
 def test_bad_mlp_kwargs_are_rejected(kwargs):
     with pytest.raises(ValueError):
         MLP(CARTPOLE, **kwargs)
+
+
+def test_a_compiled_mlp_explores_as_the_eager_one_in_one_graph_without_a_warning(caplog):
+    """workers.compile_policy: `float(self.epsilon)` used to break the graph, with torch's warning
+    in the daemon's log at every worker start; exploration now runs outside the graph, from the
+    same seeded stream, and a pushed epsilon still takes effect."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = MLP(CARTPOLE, epsilon=0.5, seed=3), MLP(CARTPOLE, epsilon=0.5, seed=3)
+    act = torch.compile(compiled, dynamic=False, backend="eager")  # dynamo's tracing is what matters here
+    obs = root(CARTPOLE, 256)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert torch.equal(eager(obs.clone())["action"], act(obs.clone())["action"])
+        for policy in (eager, compiled):
+            policy.load_state_dict({**policy.state_dict(), "epsilon": torch.tensor(0.0)})
+        greedy = act(obs.clone())["action"]
+    assert torch.equal(greedy, eager(obs.clone())["action"])
+    assert torch.equal(greedy, compiled.q_values(obs["observation"]).argmax(-1))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not [r for r in caplog.records if "Graph break" in r.getMessage()], caplog.text

@@ -172,14 +172,27 @@ class MLP(_QNet):
     @torch.no_grad()
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         action = self._fast_q_values(td.get("observation")).argmax(-1)
+        if torch.compiler.is_compiling():  # (workers.compile_policy) exploration runs outside the graph
+            action = self._explore_eagerly(action)
+        else:
+            action = self._explore(action)
+        td.set("action", action)
+        return td
+
+    def _explore(self, action: torch.Tensor) -> torch.Tensor:
+        """Epsilon-greedy: each action replaced by a uniform one with probability epsilon. It
+        reads epsilon as a number (``.item()``), which ``torch.compile`` cannot trace."""
         epsilon = float(self.epsilon)
         if epsilon > 0.0:
             shape = action.shape
             explore = torch.rand(shape, generator=self._gen) < epsilon  # CPU stream
             random = torch.randint(0, self.num_actions, shape, generator=self._gen)
             action = torch.where(explore.to(action.device), random.to(action.device), action)
-        td.set("action", action)
-        return td
+        return action
+
+    # what the compiled forward calls: the graph is the Q-network and its argmax, without the graph
+    # break (and torch's warning) that tracing .item() gave; eager callers skip disable()'s wrapper
+    _explore_eagerly = torch.compiler.disable(_explore)
 
     def _fast_q_values(self, obs: torch.Tensor) -> torch.Tensor:
         """``q_values`` without the per-module call overhead (a third of the
