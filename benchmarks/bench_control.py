@@ -76,7 +76,7 @@ def start(args, env: str, pad: int = 0, capacity: int = 2_000_000) -> DaemonProc
                  "workers.policy": "control_plugins:readable", "workers.policy_kwargs": {"pad": pad},
                  "replay.capacity": capacity, "metrics.enabled": False,
                  "control.max_message_bytes": 512 << 20, "control.ack_timeout_s": 30.0}
-    d = DaemonProc(overrides=overrides, env=PLUGIN_ENV)
+    d = DaemonProc(overrides=overrides, env=PLUGIN_ENV, launch="exec")  # as a user runs it
     d.start()
     try:
         wait_collecting(d, timeout=120)

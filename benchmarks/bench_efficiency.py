@@ -118,7 +118,7 @@ def paired(case: IngestCase, workers: int, rounds: int, window: float, warmup: f
     from ingestd.control import ControlClient
 
     out: dict[str, Any] = {"workers": workers, "load_average_before": load(), "rounds": []}
-    d = DaemonProc(overrides=case.overrides(workers))
+    d = DaemonProc(overrides=case.overrides(workers), launch="exec")  # as a user runs it, not forked
     with d, Limits(case, workers) as limits:
         _, reader = wait_first_frame(d, time.perf_counter(), timeout=120)
         client = ControlClient(d.control_address, timeout=30)
