@@ -86,23 +86,24 @@ def test_output_and_exit_statuses_are_those_of_an_exec():
         assert forked(args) == executed(args), args
 
 
-def test_a_killed_daemon_reports_the_signal_as_popen_does():
+@pytest.fixture
+def daemon():
+    """A forked one-worker daemon, collecting, its workers known."""
     with DaemonProc(overrides={"workers.count": 1}) as d:
         if not d.forked():
             pytest.skip("INGESTD_TEST_LAUNCH=exec: no daemon is forked")
         d.wait_ready()
         d.remember_children()
-        os.kill(d.proc.pid, signal.SIGKILL)
-        assert d.proc.wait(30) == -signal.SIGKILL
-        assert not pid_alive(d.proc.pid)
+        yield d
 
 
-def test_a_client_that_goes_away_takes_its_daemon_with_it():
-    with DaemonProc(overrides={"workers.count": 1}) as d:
-        if not d.forked():
-            pytest.skip("INGESTD_TEST_LAUNCH=exec: no daemon is forked")
-        d.wait_ready()
-        d.remember_children()
-        d.proc._conn.close()  # as when the test process dies
-        wait_for(lambda: not pid_alive(d.proc.pid), 30, f"daemon {d.proc.pid} to be killed")
-        d.proc.returncode = -signal.SIGKILL  # (what its closed connection can no longer say)
+def test_a_killed_daemon_reports_the_signal_as_popen_does(daemon):
+    os.kill(daemon.proc.pid, signal.SIGKILL)
+    assert daemon.proc.wait(30) == -signal.SIGKILL
+    assert not pid_alive(daemon.proc.pid)
+
+
+def test_a_client_that_goes_away_takes_its_daemon_with_it(daemon):
+    daemon.proc._conn.close()  # as when the test process dies
+    wait_for(lambda: not pid_alive(daemon.proc.pid), 30, f"daemon {daemon.proc.pid} to be killed")
+    daemon.proc.returncode = -signal.SIGKILL  # (what its closed connection can no longer say)
