@@ -18,8 +18,11 @@ from pathlib import Path
 
 from forkserver import SERVER
 
-# what a forked daemon does not re-read (forkserver): anything else in env= makes it exec
-_FORKABLE_ENV = frozenset(("PYTHONPATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"))
+# variables a forked daemon reads as an exec'd one does (forkserver), besides INGESTD_* and PYTEST_*:
+# any other that differs from the fork server's makes a daemon exec. TORCHINDUCTOR_CACHE_DIR: torch
+# puts its default into os.environ as ingestd's envs import; inductor reads it when it compiles
+_FORKABLE_ENV = frozenset(("PYTHONPATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
+                           "TORCHINDUCTOR_CACHE_DIR"))
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -109,7 +112,7 @@ def forkable(env: dict) -> bool:
     differs from the server's own is one only an interpreter's or torch's start reads."""
     if os.environ.get("INGESTD_TEST_LAUNCH", "fork") == "exec":
         return False
-    return all(k in _FORKABLE_ENV or k.startswith("INGESTD_")
+    return all(k in _FORKABLE_ENV or k.startswith(("INGESTD_", "PYTEST_"))  # (PYTEST_CURRENT_TEST, set per test)
                for k, v in env.items() if SERVER.base_env.get(k) != v)
 
 
@@ -197,11 +200,16 @@ class DaemonProc(Started):
         return [sys.executable, "-m", "ingestd.service.cli", *self.run_args()]
 
     # -- lifecycle --------------------------------------------------------------------
-    def start(self) -> "DaemonProc":
+    def env(self) -> dict:
+        """The daemon's environment: this process's, without its sd_notify variables, plus ours."""
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         if self.notify_sock is not None:
             env["NOTIFY_SOCKET"] = str(self.root / "notify.sock")
         env.update(self.extra_env)
+        return env
+
+    def start(self) -> "DaemonProc":
+        env = self.env()
         self._log = open(self.log_path, "wb")
         if self.forked():
             self.proc = SERVER.launch(self.run_args(), env, os.getcwd(), self._log.fileno(), self._log.fileno())
@@ -211,7 +219,7 @@ class DaemonProc(Started):
 
     def forked(self) -> bool:
         """Whether ``start`` forks the daemon from the fork server (else it execs it)."""
-        return self.launch == "fork" and forkable(self.extra_env)
+        return self.launch == "fork" and forkable(self.env())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -133,8 +133,7 @@ class ForkServer:
         try:
             conn.settimeout(60.0)  # a server that cannot answer fails the test, rather than hang the suite
             conn.connect(path)
-            umask = os.umask(0o077)  # (read it: os.umask only sets) the child's, as exec would inherit it
-            os.umask(umask)
+            umask = _umask()  # the child's, as exec would inherit it
             body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "umask": umask}).encode()
             socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [stdout, stderr])
             reply = b""
@@ -163,7 +162,9 @@ class ForkServer:
         with open(self._root / "server.log", "wb") as log:
             self._proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=log, env=self.base_env)
-        line = self._proc.stdout.readline()  # "ready" once it has imported and listens
+        # "ready" once it has imported and listens (a server hung in its imports fails the test)
+        started = select.select([self._proc.stdout], [], [], 120.0)[0]
+        line = self._proc.stdout.readline() if started else b"(nothing in 120 s)"
         if line.strip() != b"ready":
             said = self.log()
             self.close()
@@ -171,20 +172,21 @@ class ForkServer:
         return path
 
     def close(self) -> None:
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()  # it kills its children by PID, then exits
+        proc, root, self._proc, self._root = self._proc, self._root, None, None
+        try:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()  # it kills its children by PID, then exits
                 try:
-                    self._proc.wait(30)
+                    proc.wait(30)
                 except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait(10)
-            self._proc.stdin.close()
-            self._proc.stdout.close()
-            self._proc = None
-        if self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
-            self._root = None
+                    proc.kill()
+                    proc.wait(10)
+        finally:
+            if proc is not None:
+                proc.stdin.close()
+                proc.stdout.close()
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 SERVER = ForkServer()
@@ -231,6 +233,7 @@ def serve(path: str) -> None:
         _kill(pid)
     while children:
         _reap(children, block=True)
+    shutil.rmtree(Path(path).parent, ignore_errors=True)  # (a pytest killed outright does not remove it)
 
 
 def _accept(listener: socket.socket, children: dict) -> None:
@@ -257,13 +260,14 @@ def _accept(listener: socket.socket, children: dict) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    server = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
         print(f"forkserver: fork failed: {exc}", file=sys.stderr, flush=True)
         pid = None
     if pid == 0:
-        _child(request, fds, [listener, conn, *children.values()])
+        _child(request, fds, [listener, conn, *children.values()], server)
     for fd in fds:
         os.close(fd)
     if pid is None:
@@ -276,10 +280,10 @@ def _accept(listener: socket.socket, children: dict) -> None:
         _kill(pid)
 
 
-def _child(request: dict, fds: list[int], sockets: list[socket.socket]) -> None:
+def _child(request: dict, fds: list[int], sockets: list[socket.socket], server: int) -> None:
     """The daemon: leaves only by raising (``_ChildExit`` with main's status, or what main raised)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the server
-    if os.getppid() == 1:  # the server died before that took effect
+    if os.getppid() != server:  # the server died before that took effect
         os._exit(1)
     for sock in sockets:
         sock.close()
@@ -306,6 +310,12 @@ def _child(request: dict, fds: list[int], sockets: list[socket.socket]) -> None:
     except SystemExit as exc:  # argparse, and sys.exit anywhere below main
         code = exc.code
     raise _ChildExit(code)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` can only swap it)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
 
 
 def _peek(conn: socket.socket) -> bool:

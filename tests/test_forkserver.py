@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc, pid_alive, wait_for
+from daemon_proc import DaemonProc, forkable, pid_alive, wait_for
 from forkserver import _HEADER, SERVER
 
 TESTS = str(Path(__file__).parent)
@@ -81,6 +81,18 @@ def test_clients_that_leave_mid_launch_or_say_nothing_do_not_stop_the_server():
     assert SERVER._proc.poll() is None
 
 
+def test_a_tests_own_environment_is_forkable_and_a_threads_variable_is_not():
+    """pytest sets PYTEST_CURRENT_TEST during each test (it made every failed_starts case exec), and
+    torch sets TORCHINDUCTOR_CACHE_DIR once ingestd's envs are imported (every later daemon execed)."""
+    if os.environ.get("INGESTD_TEST_LAUNCH") == "exec":
+        pytest.skip("INGESTD_TEST_LAUNCH=exec: nothing is forkable")
+    from ingestd.collect import envs  # noqa: F401  (torch sets TORCHINDUCTOR_CACHE_DIR in os.environ as it loads)
+
+    assert "PYTEST_CURRENT_TEST" in os.environ
+    assert forkable(dict(os.environ))
+    assert not forkable({**os.environ, "OMP_NUM_THREADS": "3"})  # read as torch loads: an exec's
+
+
 def test_output_and_exit_statuses_are_those_of_an_exec():
     for args in (["config", "default"], ["run", "--bogus"], ["config", "check", "/nonexistent.toml"]):
         assert forked(args) == executed(args), args
@@ -89,9 +101,10 @@ def test_output_and_exit_statuses_are_those_of_an_exec():
 @pytest.fixture
 def daemon():
     """A forked one-worker daemon, collecting, its workers known."""
+    if os.environ.get("INGESTD_TEST_LAUNCH") == "exec":
+        pytest.skip("INGESTD_TEST_LAUNCH=exec: no daemon is forked")
     with DaemonProc(overrides={"workers.count": 1}) as d:
-        if not d.forked():
-            pytest.skip("INGESTD_TEST_LAUNCH=exec: no daemon is forked")
+        assert d.forked(), "a plain DaemonProc execs: the suite lost its fork server (see forkable)"
         d.wait_ready()
         d.remember_children()
         yield d
