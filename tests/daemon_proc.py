@@ -18,11 +18,13 @@ from pathlib import Path
 
 from forkserver import SERVER
 
-# variables a forked daemon reads as an exec'd one does (forkserver), besides INGESTD_* and PYTEST_*:
-# any other that differs from the fork server's makes a daemon exec. TORCHINDUCTOR_CACHE_DIR: torch
-# puts its default into os.environ as ingestd's envs import; inductor reads it when it compiles
-_FORKABLE_ENV = frozenset(("PYTHONPATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
-                           "TORCHINDUCTOR_CACHE_DIR"))
+# variables read as the interpreter starts or as torch and its libraries load (forkserver): a
+# daemon whose environment differs from the fork server's in one of these execs. Others (what
+# ingestd, sd_notify or pytest read at run time, and what libraries put into os.environ as they
+# import: TORCHINDUCTOR_CACHE_DIR, PYGAME_HIDE_SUPPORT_PROMPT) do not matter; PYTHONPATH is applied
+_LOAD_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH", "PYTORCH_",
+                  "CUDA_", "NCCL_")
+_RUN_TIME_ENV = frozenset(("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"))
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -108,12 +110,13 @@ def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeou
 
 
 def forkable(env: dict) -> bool:
-    """Whether a daemon with these variables can be forked from the fork server: none that
-    differs from the server's own is one only an interpreter's or torch's start reads."""
+    """Whether a daemon with the environment ``env`` can be forked from the fork server: none of
+    the variables in which it differs from the server's is read only as a process loads."""
     if os.environ.get("INGESTD_TEST_LAUNCH", "fork") == "exec":
         return False
-    return all(k in _FORKABLE_ENV or k.startswith(("INGESTD_", "PYTEST_"))  # (PYTEST_CURRENT_TEST, set per test)
-               for k, v in env.items() if SERVER.base_env.get(k) != v)
+    differs = {k for k, v in env.items() if SERVER.base_env.get(k) != v}
+    differs |= set(SERVER.base_env) - set(env)
+    return not any(k.startswith(_LOAD_TIME_ENV) for k in differs - _RUN_TIME_ENV)
 
 
 def _forked_with_stderr(args: list[str], env: dict):

@@ -82,15 +82,20 @@ def test_clients_that_leave_mid_launch_or_say_nothing_do_not_stop_the_server():
 
 
 def test_a_tests_own_environment_is_forkable_and_a_threads_variable_is_not():
-    """pytest sets PYTEST_CURRENT_TEST during each test (it made every failed_starts case exec), and
-    torch sets TORCHINDUCTOR_CACHE_DIR once ingestd's envs are imported (every later daemon execed)."""
+    """pytest sets PYTEST_CURRENT_TEST during each test (it made every failed_starts case exec), torch
+    sets TORCHINDUCTOR_CACHE_DIR once ingestd's envs are imported, gymnasium PYGAME_HIDE_SUPPORT_PROMPT
+    (every later daemon execed): only variables read as a process loads decide."""
     if os.environ.get("INGESTD_TEST_LAUNCH") == "exec":
         pytest.skip("INGESTD_TEST_LAUNCH=exec: nothing is forkable")
     from ingestd.collect import envs  # noqa: F401  (torch sets TORCHINDUCTOR_CACHE_DIR in os.environ as it loads)
 
+    import gymnasium  # noqa: F401  (sets PYGAME_HIDE_SUPPORT_PROMPT: that made every later daemon exec too)
+
     assert "PYTEST_CURRENT_TEST" in os.environ
     assert forkable(dict(os.environ))
-    assert not forkable({**os.environ, "OMP_NUM_THREADS": "3"})  # read as torch loads: an exec's
+    assert forkable({**os.environ, "INGESTD_CONTROL": "ipc:///x", "NOTIFY_SOCKET": "/x", "PYTHONPATH": "/x"})
+    for name in ("OMP_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD", "TORCH_SHOW_CPP_STACKTRACES"):
+        assert not forkable({**os.environ, name: "1"}), name  # read as a process loads: an exec's
 
 
 def test_output_and_exit_statuses_are_those_of_an_exec():
