@@ -164,6 +164,23 @@ def test_per_worker_panels_filter_by_the_worker_variable(dash):
             assert 'instance=~"$instance"' in expr, (panel["title"], ref)
 
 
+def test_no_panel_merges_the_daemons_of_a_multi_instance_selection(dash):
+    """$instance allows several daemons at once (two experiments on one host): a sum, max or
+    quantile without ``instance`` mixed their workers, returns and latencies into one series,
+    and a legend without it gave several series the same name."""
+    for panel in all_panels(dash):
+        for target in panel.get("targets", []):
+            expr, legend = target.get("expr", ""), target.get("legendFormat", "")
+            if "ingestd_" not in expr:
+                continue
+            where = (panel["title"], target["refId"])
+            for agg, group in re.findall(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(", expr):
+                assert "instance" in re.split(r"\s*,\s*", group), (*where, f"{agg} by ({group})")
+            for on in re.findall(r"\bon\s*\(([^)]*)\)", expr):
+                assert "instance" in re.split(r"\s*,\s*", on), (*where, f"on ({on})")
+            assert not legend or "{{instance}}" in legend, (*where, legend)
+
+
 def series_unit(panel: dict, ref: str) -> str | None:
     """The unit Grafana shows a target's series in: a byFrameRefID override, else the panel's."""
     unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
