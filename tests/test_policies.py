@@ -197,3 +197,9 @@ def test_a_compiled_mlp_explores_as_the_eager_one_in_one_graph_without_a_warning
     assert torch.equal(greedy, compiled.q_values(obs["observation"]).argmax(-1))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not [r for r in caplog.records if "Graph break" in r.getMessage()], caplog.text
+
+    class Sevens(MLP):  # a subclass's exploration is the one a compiled forward runs too
+        def _explore(self, action):
+            return torch.full_like(action, 7)
+
+    assert set(torch.compile(Sevens(CARTPOLE), backend="eager")(obs.clone())["action"].tolist()) == {7}

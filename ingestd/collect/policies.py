@@ -190,9 +190,12 @@ class MLP(_QNet):
             action = torch.where(explore.to(action.device), random.to(action.device), action)
         return action
 
-    # what the compiled forward calls: the graph is the Q-network and its argmax, without the graph
-    # break (and torch's warning) that tracing .item() gave; eager callers skip disable()'s wrapper
-    _explore_eagerly = torch.compiler.disable(_explore)
+    @torch.compiler.disable
+    def _explore_eagerly(self, action: torch.Tensor) -> torch.Tensor:
+        """What the compiled forward calls (``self._explore``, a subclass's too, run eagerly): the
+        graph is the Q-network and its argmax, without the graph break (and torch's warning) that
+        tracing ``.item()`` gave. Eager callers skip disable()'s wrapper."""
+        return self._explore(action)
 
     def _fast_q_values(self, obs: torch.Tensor) -> torch.Tensor:
         """``q_values`` without the per-module call overhead (a third of the
