@@ -792,10 +792,13 @@ def test_start_weights_resume_keeps_the_pushed_weights_initial_starts_from_the_p
 
     def collected_with(d: DaemonProc, since: int) -> set[int]:
         """The versions stamped on rows this daemon's worker wrote (write index >= ``since``),
-        once there are some."""
-        d.wait_ready(rows=since + 1)
-        rows = all_rows(d.replay_path)
-        return set(rows["ingestd", "policy_version"][rows["ingestd", "write_index"] >= since].tolist())
+        once there are some. (write_count counts a chunk's slots once they are taken, a moment
+        before its rows are committed and readable: wait for the rows themselves.)"""
+        def versions() -> set[int]:
+            d.wait_ready(rows=since + 1)
+            rows = all_rows(d.replay_path)
+            return set(rows["ingestd", "policy_version"][rows["ingestd", "write_index"] >= since].tolist())
+        return wait_for(versions, 30, f"committed rows from write index {since}")
 
     def written(d: DaemonProc) -> int:
         with ReplayReader(d.replay_path) as reader:
