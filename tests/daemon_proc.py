@@ -92,7 +92,7 @@ def failed_starts(cases: dict, env: dict | None = None, at_once: int = 4, timeou
             for case, (prefix, settings, preexec, tmp) in batch:
                 args = ["run", *(a for setting in settings for a in ("--set", setting))]
                 if not prefix and preexec is None and forkable(env):
-                    procs[case] = _forked_with_stderr(args, env)
+                    procs[case] = forked_with_stderr(args, env)
                     continue
                 procs[case] = subprocess.Popen([*prefix, sys.executable, "-m", "ingestd.service.cli", *args],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -119,18 +119,19 @@ def forkable(env: dict) -> bool:
     return not any(k.startswith(_LOAD_TIME_ENV) for k in differs - _RUN_TIME_ENV)
 
 
-def _forked_with_stderr(args: list[str], env: dict):
-    """A forked ``ingestd`` whose stderr ``communicate()`` returns (stdout to /dev/null)."""
+def forked_with_stderr(args: list[str], env: dict, stdout: int | None = None):
+    """A forked ``ingestd`` whose stderr ``communicate()`` returns; its stdout goes to the
+    descriptor ``stdout`` (closed here once the child has it), else to /dev/null."""
     read, write = os.pipe()
-    null = os.open(os.devnull, os.O_WRONLY)
+    out = os.open(os.devnull, os.O_WRONLY) if stdout is None else stdout
     try:
-        proc = SERVER.launch(args, env, os.getcwd(), null, write)
+        proc = SERVER.launch(args, env, os.getcwd(), out, write)
     except BaseException:
         os.close(read)
         raise
     finally:
         os.close(write)
-        os.close(null)
+        os.close(out)
     proc.stderr_fd = read
     return proc
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc, forkable, pid_alive, wait_for
+from daemon_proc import DaemonProc, forkable, forked_with_stderr, pid_alive, wait_for
 from forkserver import _HEADER, SERVER
 
 TESTS = str(Path(__file__).parent)
@@ -20,14 +20,8 @@ TESTS = str(Path(__file__).parent)
 def forked(args: list[str], env: dict | None = None) -> tuple[int, str, str]:
     """Exit status, stdout and stderr of ``ingestd ARGS`` forked from the server."""
     out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    try:
-        proc = SERVER.launch(args, {**os.environ, **(env or {})}, os.getcwd(), out_w, err_w)
-    finally:
-        os.close(out_w)
-        os.close(err_w)
+    proc = forked_with_stderr(args, {**os.environ, **(env or {})}, stdout=out_w)
     with os.fdopen(out_r) as out:
-        proc.stderr_fd = err_r
         _, err = proc.communicate(timeout=60)
         return proc.returncode, out.read(), err
 
