@@ -7,7 +7,8 @@ Three loops over the same env and policy (``bench_env_loop.CASES``), each one ch
 every other time) and timed in CPU seconds of this process, so the VM's drift and the
 order's cache effects fall on all three alike:
 
-- ``bare``: the in-process limit (``policy``, then ``env.step_and_maybe_reset``);
+- ``bare``: the in-process limit (``policy``, then ``env.step_and_maybe_reset``, under
+  inference mode as the rollout's steps);
 - ``rollout``: ``Rollout.chunk`` alone (stamps, episode accounting, checks, the rows);
 - ``stored``: ``Rollout.chunk`` into the storage's reserved slots and the commit, as a
   worker does, into a ring of ``--capacity`` rows (fewer if it would pass ``--max-gib``)
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_env_loop import CASES  # noqa: E402
-from ingestd.collect.rollout import Rollout  # noqa: E402
+from ingestd.collect.rollout import Rollout, no_autograd  # noqa: E402
 from ingestd.collect.worker import keep_heap  # noqa: E402
 from ingestd.replay.storage import ReplayStorage  # noqa: E402
 
@@ -56,8 +57,9 @@ def measure(case: str, chunk_steps: int, calls: int, capacity: int, max_bytes: i
 
     def bare() -> None:
         root = state["root"]
-        for _ in range(chunk_steps):
-            _, root = env.step_and_maybe_reset(policy(root))
+        with no_autograd():  # as Rollout.chunk runs its steps
+            for _ in range(chunk_steps):
+                _, root = env.step_and_maybe_reset(policy(root))
         state["root"] = root
 
     def rollout() -> None:

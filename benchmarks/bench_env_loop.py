@@ -3,7 +3,8 @@
     python benchmarks/bench_env_loop.py [--seconds 2] [--repeat 3] [--threads 1] [--only cartpole_mlp]
 
 No workers, no storage, no stamps: ``policy(root)`` then
-``env.step_and_maybe_reset(root)``, as fast as one core goes. Collectors are
+``env.step_and_maybe_reset(root)``, as fast as one core goes, under inference mode as
+the workers run it. Collectors are
 later compared against these figures. Prints one JSON object: per case the
 best and median rate of ``repeat`` runs, per wall-clock second and per CPU
 second of this process (the latter is less sensitive to other load on the
@@ -26,6 +27,7 @@ import torch
 
 from ingestd.collect.interfaces import Env, EnvContext, Policy
 from ingestd.collect.registry import make_env, make_policy
+from ingestd.collect.rollout import no_autograd
 from ingestd.collect.worker import keep_heap
 
 
@@ -33,7 +35,15 @@ def inprocess_rate(env: Env, policy: Policy, *, seconds: float = 2.0, warmup_ste
                    max_steps: int | None = None, clock: Callable[[], float] = time.perf_counter) -> float:
     """Frames per second (``num_envs`` frames per step) of the loop
     ``env.step_and_maybe_reset(policy(root))`` over about ``seconds`` of ``clock``
-    (or ``max_steps`` steps, whichever comes first), after ``warmup_steps``."""
+    (or ``max_steps`` steps, whichever comes first), after ``warmup_steps``. The loop runs
+    in the workers' autograd mode (``workers.inference_mode``'s default: inference mode),
+    so a limit and a worker step the same way."""
+    with no_autograd():
+        return _rate(env, policy, seconds, warmup_steps, max_steps, clock)
+
+
+def _rate(env: Env, policy: Policy, seconds: float, warmup_steps: int, max_steps: int | None,
+          clock: Callable[[], float]) -> float:
     root = env.reset()
     for _ in range(warmup_steps):
         _, root = env.step_and_maybe_reset(policy(root))

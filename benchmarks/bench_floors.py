@@ -34,6 +34,7 @@ floor of issue 4's status target has its own benchmark, ``bench_zmq_floor.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="windows per figure (median)")
     parser.add_argument("--only", choices=("pixel_gather", "pixels_store", "cartpole_store", "sample_batch_objects"), action="append")
     args = parser.parse_args(argv)
+    from ingestd.collect.rollout import no_autograd
     from ingestd.collect.worker import keep_heap
 
     keep_heap()  # the workers' allocator settings (the bare Pixels loop reads 2-3x low without them)
@@ -265,7 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         for name, fn in (("pixel_gather", pixel_gather), ("pixels_store", pixels_store),
                          ("cartpole_store", cartpole_store), ("sample_batch_objects", sample_batch_objects)):
             if args.only is None or name in args.only:
-                report[name] = fn(work, args.seconds, args.rounds)
+                stepping = name in ("pixels_store", "cartpole_store")  # env loops: in the workers' mode
+                with no_autograd() if stepping else contextlib.nullcontext():
+                    report[name] = fn(work, args.seconds, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

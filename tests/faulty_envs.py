@@ -217,3 +217,23 @@ def odd_policy(spec, mode: str = "fits", value: float = 0.0, after: int = 0):
         td.set("act" if mode == "key" else "action", torch.full(shape, fill, dtype=dtype))
         return td
     return act
+
+
+def gradient_planner(spec, steps: int = 2):
+    """A discrete policy that plans with autograd inside its step (``torch.enable_grad``, one
+    backward per step), as a gradient-based planner does: it runs under ``torch.no_grad``
+    (``workers.inference_mode = false``), and fails under inference mode, where autograd
+    cannot be turned back on. Records the autograd mode of every call in ``modes``."""
+    def act(td):
+        obs = td.get("observation")
+        act.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        with torch.enable_grad():
+            plan = torch.zeros(obs.shape[0], spec.num_actions, requires_grad=True)
+            for _ in range(steps):
+                loss = ((plan - obs[:, :1]) ** 2).sum()
+                (grad,) = torch.autograd.grad(loss, plan)
+                plan = (plan - 0.1 * grad).detach().requires_grad_()
+        td.set("action", plan.argmax(-1).detach())
+        return td
+    act.modes = []
+    return act

@@ -62,6 +62,7 @@ class WorkerSpec:
     n_step: int = 1
     gamma: float = 0.99
     compile_policy: bool = False
+    inference_mode: bool = True  # torch.inference_mode() around the env and policy, else no_grad
     enable_profile: bool = True
     action_bounds: str = "refuse"  # ingestd.collect.checks
     check_finite: bool = True
@@ -82,7 +83,9 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         Worker(spec, stats).run()
     except BaseException as exc:  # report everything, then die; the supervisor decides what next
-        message = f"{type(exc).__name__}: {exc}"
+        from ingestd.collect.rollout import autograd_hint
+
+        message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, spec.inference_mode)
         stats.set_error(spec.index, message)
         print(f"ingestd worker {spec.index} (pid {os.getpid()}) failed: {message}\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -132,7 +135,7 @@ class Worker:
 
         from ingestd.collect.features import ChunkExtras, component_seeds, keepalive
         from ingestd.collect.interfaces import episode_base_of
-        from ingestd.collect.rollout import Rollout
+        from ingestd.collect.rollout import Rollout, no_autograd
         from ingestd.replay.storage import ReplayStorage
 
         spec, rec = self.spec, self.rec
@@ -154,23 +157,27 @@ class Worker:
         torch.manual_seed(seeds.torch)
         np.random.seed(seeds.numpy)
         log.info("worker %d incarnation %d seed %d", spec.index, incarnation, seed)
-        # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
-        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"):
-            env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
-        weights = _attach_weights(spec.weights_path, policy)
-        self.version = self._apply_weights(weights, policy, -1)
-        self._written_version = self.version  # the weights of the last chunk written (see _loop)
-        self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
-        # the env's first reset (a simulator loading a scene) may be slow too
-        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"):
-            rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
-                              spec.chunk_steps, beat=self._beat, checks=self.extras.checks)
-        try:
-            self._loop(rollout, storage, weights, policy)
-        finally:
-            self.extras.close(storage)
-            env.close()
-            storage.close()
+        # all of it in one autograd mode (workers.inference_mode): a tensor the env or policy makes
+        # in a chunk (a lazy module's weights) is then an inference tensor changed only in that mode
+        with no_autograd(spec.inference_mode):
+            # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
+            with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"):
+                env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
+            weights = _attach_weights(spec.weights_path, policy)
+            self.version = self._apply_weights(weights, policy, -1)
+            self._written_version = self.version  # the weights of the last chunk written (see _loop)
+            self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
+            # the env's first reset (a simulator loading a scene) may be slow too
+            with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"):
+                rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
+                                  spec.chunk_steps, beat=self._beat, checks=self.extras.checks,
+                                  inference_mode=spec.inference_mode)
+            try:
+                self._loop(rollout, storage, weights, policy)
+            finally:
+                self.extras.close(storage)
+                env.close()
+                storage.close()
         rec["state"] = State.STOPPED
 
     def _loop(self, rollout, storage, weights, policy) -> None:

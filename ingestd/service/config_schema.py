@@ -158,6 +158,10 @@ class WorkersConfig:
     compile_policy: bool = setting(
         False, "torch.compile the policy in each worker (TorchRL compile_policy); see the benchmark in "
                "docs/collector-features.md before turning it on.", Bool())
+    inference_mode: bool = setting(
+        True, "Run the workers' env and policy under torch.inference_mode() (faster small torch steps: "
+              "docs/collector-features.md); false = torch.no_grad(), for a policy that turns autograd on "
+              "inside a step (a gradient-based planner).", Bool())
     enable_profile: bool = setting(
         True, "Allow `ingestctl profile WORKER --seconds S` (a torch profiler trace of a worker's loop); "
               "false refuses the command.", Bool())

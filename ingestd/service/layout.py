@@ -44,8 +44,8 @@ class Layout:
             device=w.device, env_kwargs=dict(w.env_kwargs), policy_kwargs=dict(w.policy_kwargs),
             init_random_frames=w.init_random_frames, max_episode_steps=w.max_episode_steps,
             total_frames=w.total_frames, n_step=w.n_step, gamma=w.gamma, compile_policy=w.compile_policy,
-            enable_profile=w.enable_profile, action_bounds=w.action_bounds, check_finite=w.check_finite,
-            start_timeout_s=w.start_timeout_s)
+            inference_mode=w.inference_mode, enable_profile=w.enable_profile, action_bounds=w.action_bounds,
+            check_finite=w.check_finite, start_timeout_s=w.start_timeout_s)
 
     def close(self) -> None:
         if self.limiter is not None:

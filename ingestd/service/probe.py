@@ -17,7 +17,7 @@ import torch
 from ingestd.collect.checks import RowChecks, acting_policy, check_action
 from ingestd.collect.features import check_device, ticking
 from ingestd.collect.nstep import schema_rows
-from ingestd.collect.rollout import Rollout
+from ingestd.collect.rollout import Rollout, autograd_hint, no_autograd
 from ingestd.collect.worker import WorkerSpec, build_env, build_policy
 from ingestd.errors import ConfigError, EnvFault
 
@@ -135,12 +135,14 @@ def _example_rows(spec: WorkerSpec, seed: int):
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
         checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
         acting = acting_policy(policy, env.spec, checks)
-        rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
-                           lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks),
-                           doing=f"env {spec.env}'s first reset")
-        _check_action(spec, env, acting, rollout)
-        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
-                           lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
+        with no_autograd(spec.inference_mode):  # as the workers run them
+            rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
+                               lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks,
+                                               inference_mode=spec.inference_mode),
+                               doing=f"env {spec.env}'s first reset")
+            _check_action(spec, env, acting, rollout)
+            rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+                               lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
         _check_layout(spec, env, rows)
     finally:
         env.close()
@@ -174,6 +176,7 @@ def _guarded(key: str, what: str, call, quiet: tuple = (), doing: str = ""):
         log.log(logging.DEBUG if refused else logging.ERROR, "%s:", what, exc_info=True)
         where = 'logged with service.log_level = "debug"' if refused else "in the log above"
         detail = str(exc) if refused else f"{type(exc).__name__}: {exc}"
+        detail += autograd_hint(exc, torch.is_inference_mode_enabled())  # (the probe's chunk: as the workers')
         raise ConfigError(key, f"{what}: {detail} (the traceback is {where})") from None
 
 
@@ -210,7 +213,7 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
     float32) is stored as the policy makes it, with a warning: envs take those, and a replay
     made that way before must keep opening."""
     note = observation_note(spec.env, env.spec, rollout.root)  # a policy sized from the spec fails on it
-    with torch.no_grad():
+    with no_autograd(spec.inference_mode):
         out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation"
                        + (f" ({note}: make EnvSpec.observation_shape/dtype what the env returns)" if note else ""),
                        lambda: policy(rollout.root.clone()), doing=f"policy {spec.policy}'s first action")
