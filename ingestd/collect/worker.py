@@ -133,9 +133,9 @@ class Worker:
     def run(self) -> None:
         import torch
 
-        from ingestd.collect.features import ChunkExtras, component_seeds, keepalive
+        from ingestd.collect.features import component_seeds
         from ingestd.collect.interfaces import episode_base_of
-        from ingestd.collect.rollout import Rollout, no_autograd
+        from ingestd.collect.rollout import no_autograd
         from ingestd.replay.storage import ReplayStorage
 
         spec, rec = self.spec, self.rec
@@ -160,18 +160,7 @@ class Worker:
         # all of it in one autograd mode (workers.inference_mode): a tensor the env or policy makes
         # in a chunk (a lazy module's weights) is then an inference tensor changed only in that mode
         with no_autograd(spec.inference_mode):
-            # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
-            with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"):
-                env, policy = build_env_and_policy(spec, seed, episode_base_of(incarnation))
-            weights = _attach_weights(spec.weights_path, policy)
-            self.version = self._apply_weights(weights, policy, -1)
-            self._written_version = self.version  # the weights of the last chunk written (see _loop)
-            self.extras = ChunkExtras(spec, env, policy, seeds, rec, self._beat)
-            # the env's first reset (a simulator loading a scene) may be slow too
-            with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"):
-                rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base_of(incarnation),
-                                  spec.chunk_steps, beat=self._beat, checks=self.extras.checks,
-                                  inference_mode=spec.inference_mode)
+            env, policy, weights, rollout = self._build(seed, seeds, episode_base_of(incarnation))
             try:
                 self._loop(rollout, storage, weights, policy)
             finally:
@@ -179,6 +168,25 @@ class Worker:
                 env.close()
                 storage.close()
         rec["state"] = State.STOPPED
+
+    def _build(self, seed: int, seeds, episode_base: int):
+        """The env, policy, weight store and rollout of this incarnation, its weights applied."""
+        from ingestd.collect.features import ChunkExtras, keepalive
+        from ingestd.collect.rollout import Rollout
+
+        spec = self.spec
+        # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
+        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"):
+            env, policy = build_env_and_policy(spec, seed, episode_base)
+        weights = _attach_weights(spec.weights_path, policy)
+        self.version = self._apply_weights(weights, policy, -1)
+        self._written_version = self.version  # the weights of the last chunk written (see _loop)
+        self.extras = ChunkExtras(spec, env, policy, seeds, self.rec, self._beat)
+        # the env's first reset (a simulator loading a scene) may be slow too
+        with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"):
+            rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base, spec.chunk_steps,
+                              beat=self._beat, checks=self.extras.checks, inference_mode=spec.inference_mode)
+        return env, policy, weights, rollout
 
     def _loop(self, rollout, storage, weights, policy) -> None:
         rec = self.rec
