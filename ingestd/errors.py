@@ -134,3 +134,20 @@ class EnvFault(IngestdError, RuntimeError):
 class LockBusy(IngestdError, TimeoutError):
     """A lock file of the replay storage stayed locked by another process past the caller's
     timeout (a trainer stopped inside ``update_priorities`` or a sample, say)."""
+
+
+# what torch says, lower-cased, when inference mode refuses autograd or an in-place update
+_INFERENCE_REFUSALS = ("inference tensor", "does not require grad", "cannot be saved for backward",
+                       "inplace update to inference", "inferencemode")
+
+
+def autograd_hint(exc: BaseException, inference: bool) -> str:
+    """What to do about an error of torch that inference mode (``inference``: it was on) explains:
+    a policy that turns grad on inside a step ("does not require grad", "Inference tensors cannot
+    be saved for backward"), an in-place update to an inference tensor outside the mode (a
+    thread of the env's own). ``""`` for any other error."""
+    message = str(exc).lower()
+    if not inference or not any(refusal in message for refusal in _INFERENCE_REFUSALS):
+        return ""
+    return (" (torch.inference_mode, which workers run their env and policy under, refused it: set "
+            "workers.inference_mode = false to run them under torch.no_grad instead)")

@@ -219,21 +219,26 @@ def odd_policy(spec, mode: str = "fits", value: float = 0.0, after: int = 0):
     return act
 
 
-def gradient_planner(spec, steps: int = 2):
+def gradient_planner(spec, steps: int = 2, calibrate: bool = False):
     """A discrete policy that plans with autograd inside its step (``torch.enable_grad``, one
     backward per step), as a gradient-based planner does: it runs under ``torch.no_grad``
     (``workers.inference_mode = false``), and fails under inference mode, where autograd
-    cannot be turned back on. Records the autograd mode of every call in ``modes``."""
-    def act(td):
-        obs = td.get("observation")
-        act.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+    cannot be turned back on. ``calibrate``: it plans once as it is built, too. Records the
+    autograd mode of every call in ``modes``."""
+    def plan(obs):
         with torch.enable_grad():
             plan = torch.zeros(obs.shape[0], spec.num_actions, requires_grad=True)
             for _ in range(steps):
                 loss = ((plan - obs[:, :1]) ** 2).sum()
                 (grad,) = torch.autograd.grad(loss, plan)
                 plan = (plan - 0.1 * grad).detach().requires_grad_()
-        td.set("action", plan.argmax(-1).detach())
+        return plan.argmax(-1).detach()
+
+    def act(td):
+        act.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        td.set("action", plan(td.get("observation")))
         return td
     act.modes = []
+    if calibrate:
+        plan(torch.zeros(1, *spec.observation_shape))
     return act

@@ -12,8 +12,8 @@ from ingestd.collect.envs.cartpole import CartPole
 from ingestd.collect.envs.pixels import Pixels
 from ingestd.collect.interfaces import EnvContext
 from ingestd.collect.policies import MLP, Random
-from ingestd.collect.rollout import Rollout, autograd_hint
-from ingestd.errors import ConfigError
+from ingestd.collect.rollout import Rollout, no_autograd
+from ingestd.errors import ConfigError, autograd_hint
 from ingestd.service.config import load_config, resolve_paths
 from ingestd.service.probe import check_buildable
 
@@ -54,8 +54,9 @@ def test_the_steps_run_in_the_mode_asked_for(inference, expected):
 def test_rows_are_the_same_plain_tensors_in_either_mode(make):
     chunks = {}
     for inference in (True, False):
-        env = make(ctx(seed=3))
-        rollout = Rollout(env, Random(env.spec, seed=3), 0, 0, STEPS, inference_mode=inference)
+        with no_autograd(inference):  # built in the mode too, as a worker builds it
+            env = make(ctx(seed=3))
+            rollout = Rollout(env, Random(env.spec, seed=3), 0, 0, STEPS, inference_mode=inference)
         chunks[inference] = [rollout.chunk(version)[0] for version in range(3)][-1]  # resets inside
     for key, leaf in chunks[True].items(include_nested=True, leaves_only=True):
         assert not leaf.is_inference(), key  # a caller may edit them outside inference mode
@@ -76,12 +77,27 @@ def test_a_policy_that_needs_autograd_is_refused_at_start_up_with_the_way_out(tm
     assert rows.batch_size[0] == 1
 
 
+def test_a_policy_that_needs_autograd_to_be_built_is_refused_too(tmp_path):
+    """The probe builds the env and policy in the workers' mode, as they do: a planner that
+    calibrates itself with autograd as it is built would otherwise pass the probe and fail in
+    every worker."""
+    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
+                                *PLANNER, "workers.policy_kwargs={calibrate=true}"])
+    with pytest.raises(ConfigError) as err:
+        check_buildable(config, resolve_paths(config, os.environ))
+    assert "could not be built" in str(err.value) and "workers.inference_mode = false" in str(err.value), err.value
+
+
 def test_the_hint_is_given_only_for_autograd_errors_under_inference_mode():
     grad = RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
     saved = RuntimeError("Inference tensors cannot be saved for backward.")
     assert "workers.inference_mode = false" in autograd_hint(grad, True)
     assert "workers.inference_mode = false" in autograd_hint(saved, True)
+    outside = RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed.")
+    assert "workers.inference_mode = false" in autograd_hint(outside, True)
     assert autograd_hint(grad, False) == "" and autograd_hint(RuntimeError("scene file missing"), True) == ""
+    for other in ("upgrade the sender or the daemon", "NaN gradient in the planner", "inference server down"):
+        assert autograd_hint(RuntimeError(other), True) == "", other
 
 
 def test_the_gradient_planner_plans_under_no_grad():

@@ -11,7 +11,7 @@ The hot path is built to add as little as possible to the env and policy:
   and are filled once per chunk, after it: ``worker`` and ``env`` never
   change, ``policy_version`` is one fill, and ``episode``/``step`` follow from
   the chunk's ``[T, B]`` done flags with a cumulative sum and a cumulative max
-  (a handful of numpy ops per chunk). Nothing is done per step: three small
+  (a handful of torch and numpy ops per chunk). Nothing is done per step: three small
   torch ops per step to advance them cost ~30 us between the env's and the
   policy's ops (a tenth of a 256-env CartPole step), several times their cost
   alone. The env and the policy do not see the stamps (``Env``'s contract);
@@ -89,26 +89,27 @@ class Rollout:
         self._episode = episode_base + np.arange(n, dtype=np.int64)
         self._step = np.zeros(n, dtype=np.int64)
         self._return = np.zeros(n, dtype=np.float64)
-        # the stamps of a whole chunk: one [T, B, 5] int64 buffer, its fields in the storage record's
-        # order (sorted names), so the storage packs all five as one item (ingestd.replay.packing)
-        names = sorted(_STAMPS)
-        stamps = torch.empty((t, n, len(names)), dtype=torch.int64)
-        self._stamps = dict(zip(names, stamps.unbind(-1)))
-        self._stamps["worker"].fill_(worker)
-        self._stamps["env"].copy_(torch.arange(n, dtype=torch.int64).expand(t, n))
-        self._step_np, self._episode_np = self._stamps["step"].numpy(), self._stamps["episode"].numpy()
-        # (_stamp_chunk) scratch: the dones before each step, where episodes begin and the scan of that
-        # (its indices unused), all [T, B] int64 (the first [T - 1, B])
-        self._dones_before = torch.empty((t - 1, n), dtype=torch.int64)
-        self._starts_t, self._began, self._began_at = (torch.empty((t, n), dtype=torch.int64) for _ in range(3))
-        self._starts = self._starts_t.numpy()
-        self._t_col_t = torch.arange(t, dtype=torch.int64)[:, None]
-        self._t_col = self._t_col_t.numpy()
-        # the episode accounting's [T, B] done flags and returns; numpy views for the accounting itself
-        self._done_buffer: torch.Tensor | None = None  # the ("next", "done") buffer self._done views
-        self._done = np.zeros((t, n), dtype=bool)  # (_done_flags) each step's done, per chunk
-        self._returns_t = torch.empty((t, n), dtype=torch.float64)
-        self._returns = self._returns_t.numpy()
+        with torch.inference_mode(False):  # plain buffers (the rows view them), in whatever mode we are built
+            # the stamps of a whole chunk: one [T, B, 5] int64 buffer, its fields in the storage record's
+            # order (sorted names), so the storage packs all five as one item (ingestd.replay.packing)
+            names = sorted(_STAMPS)
+            stamps = torch.empty((t, n, len(names)), dtype=torch.int64)
+            self._stamps = dict(zip(names, stamps.unbind(-1)))
+            self._stamps["worker"].fill_(worker)
+            self._stamps["env"].copy_(torch.arange(n, dtype=torch.int64).expand(t, n))
+            self._step_np, self._episode_np = self._stamps["step"].numpy(), self._stamps["episode"].numpy()
+            # (_stamp_chunk) scratch: the dones before each step, where episodes begin and the scan of that
+            # (its indices unused), all [T, B] int64 (the first [T - 1, B])
+            self._dones_before = torch.empty((t - 1, n), dtype=torch.int64)
+            self._starts_t, self._began, self._began_at = (torch.empty((t, n), dtype=torch.int64) for _ in range(3))
+            self._starts = self._starts_t.numpy()
+            self._t_col_t = torch.arange(t, dtype=torch.int64)[:, None]
+            self._t_col = self._t_col_t.numpy()
+            # the episode accounting's [T, B] done flags and returns; numpy views for the accounting itself
+            self._done_buffer: torch.Tensor | None = None  # the ("next", "done") buffer self._done views
+            self._done = np.zeros((t, n), dtype=bool)  # (_done_flags) each step's done, per chunk
+            self._returns_t = torch.empty((t, n), dtype=torch.float64)
+            self._returns = self._returns_t.numpy()
         self._leaves: dict = {}  # key (as items() gives it) -> the [T, B, ...] buffer of a non-stamp leaf
         # (a large leaf's buffer is made only for a chunk that cannot go into given slots: None until then)
         self._specs: dict = {}  # key -> (per-step shape, dtype, device) of every non-stamp leaf
@@ -324,18 +325,6 @@ def no_autograd(inference: bool = True):
     here), else under ``torch.no_grad()`` (for a policy that turns autograd on inside a step,
     as a gradient-based planner does: inference tensors cannot be saved for backward)."""
     return torch.inference_mode() if inference else torch.no_grad()
-
-
-def autograd_hint(exc: BaseException, inference: bool) -> str:
-    """What to do about an error of autograd that inference mode (``inference``: it was on) may
-    explain: a policy that turns grad on inside a step ("does not require grad", "Inference
-    tensors cannot be saved for backward"), an in-place update to an inference tensor outside
-    the mode. ``""`` for any other error."""
-    message = str(exc).lower()
-    if not inference or ("inference" not in message and "grad" not in message):
-        return ""
-    return (" (torch.inference_mode, which workers run their env and policy under, refused it: set "
-            "workers.inference_mode = false to run them under torch.no_grad instead)")
 
 
 def _plain_empty(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:

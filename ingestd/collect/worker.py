@@ -22,6 +22,7 @@ import numpy as np
 
 from ingestd.collect.inherited import release_inherited
 from ingestd.collect.stats import RING, Desired, PauseReason, State, StatsBlock
+from ingestd.errors import autograd_hint
 from ingestd.replay.limiter import hold_worker
 
 log = logging.getLogger("ingestd.worker")
@@ -83,8 +84,6 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         Worker(spec, stats).run()
     except BaseException as exc:  # report everything, then die; the supervisor decides what next
-        from ingestd.collect.rollout import autograd_hint
-
         message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, spec.inference_mode)
         stats.set_error(spec.index, message)
         print(f"ingestd worker {spec.index} (pid {os.getpid()}) failed: {message}\n"

@@ -17,9 +17,9 @@ import torch
 from ingestd.collect.checks import RowChecks, acting_policy, check_action
 from ingestd.collect.features import check_device, ticking
 from ingestd.collect.nstep import schema_rows
-from ingestd.collect.rollout import Rollout, autograd_hint, no_autograd
+from ingestd.collect.rollout import Rollout, no_autograd
 from ingestd.collect.worker import WorkerSpec, build_env, build_policy
-from ingestd.errors import ConfigError, EnvFault
+from ingestd.errors import ConfigError, EnvFault, autograd_hint
 
 log = logging.getLogger("ingestd.daemon")
 
@@ -38,7 +38,8 @@ def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False)
     from ingestd.service.layout import Layout
 
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
-    with _deadline(config.workers.start_timeout_s, stopping):
+    # in the workers' autograd mode from the build on (workers.inference_mode), as they run
+    with _deadline(config.workers.start_timeout_s, stopping), no_autograd(probe.inference_mode):
         rows, policy = _example_rows(probe, config.service.seed)
     _check_pushable(policy, config.control.max_message_bytes)
     return rows, policy
@@ -135,14 +136,13 @@ def _example_rows(spec: WorkerSpec, seed: int):
             random_policy(env.spec, seed)  # the warm-up's random policy fits the action space
         checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
         acting = acting_policy(policy, env.spec, checks)
-        with no_autograd(spec.inference_mode):  # as the workers run them
-            rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
-                               lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks,
-                                               inference_mode=spec.inference_mode),
-                               doing=f"env {spec.env}'s first reset")
-            _check_action(spec, env, acting, rollout)
-            rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
-                               lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
+        rollout = _guarded("workers.env", f"env {spec.env} failed to reset",
+                           lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks,
+                                           inference_mode=spec.inference_mode),
+                           doing=f"env {spec.env}'s first reset")
+        _check_action(spec, env, acting, rollout)
+        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+                           lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
         _check_layout(spec, env, rows)
     finally:
         env.close()
@@ -176,7 +176,7 @@ def _guarded(key: str, what: str, call, quiet: tuple = (), doing: str = ""):
         log.log(logging.DEBUG if refused else logging.ERROR, "%s:", what, exc_info=True)
         where = 'logged with service.log_level = "debug"' if refused else "in the log above"
         detail = str(exc) if refused else f"{type(exc).__name__}: {exc}"
-        detail += autograd_hint(exc, torch.is_inference_mode_enabled())  # (the probe's chunk: as the workers')
+        detail += autograd_hint(exc, torch.is_inference_mode_enabled())  # (check_buildable: as the workers)
         raise ConfigError(key, f"{what}: {detail} (the traceback is {where})") from None
 
 
@@ -213,10 +213,9 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
     float32) is stored as the policy makes it, with a warning: envs take those, and a replay
     made that way before must keep opening."""
     note = observation_note(spec.env, env.spec, rollout.root)  # a policy sized from the spec fails on it
-    with no_autograd(spec.inference_mode):
-        out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation"
-                       + (f" ({note}: make EnvSpec.observation_shape/dtype what the env returns)" if note else ""),
-                       lambda: policy(rollout.root.clone()), doing=f"policy {spec.policy}'s first action")
+    out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation"
+                   + (f" ({note}: make EnvSpec.observation_shape/dtype what the env returns)" if note else ""),
+                   lambda: policy(rollout.root.clone()), doing=f"policy {spec.policy}'s first action")
     action = out.get("action", None) if hasattr(out, "get") else None
     if not isinstance(action, torch.Tensor):
         raise ConfigError("workers.policy", f"policy {spec.policy} returned no 'action' tensor (got "
