@@ -277,3 +277,25 @@ def test_datasource_provisioning():
     assert lines[0] == "apiVersion: 1" and "datasources:" in lines
     assert re.search(r"^\s+type: prometheus$", text, re.M)
     assert re.search(r"^\s+url: https?://\S+$", text, re.M)
+
+
+def _threshold_colors(thresholds: dict) -> list[tuple]:
+    return [(step["color"], step["value"]) for step in thresholds["steps"]]
+
+
+def test_coloured_stats_set_their_own_thresholds(dash):
+    """A stat panel that colours its value with no thresholds of its own gets Grafana's default:
+    red from 80. "Replay fill" was red whenever the ring held 80 % or more (a full ring is the
+    steady state) and "Workers up" red from 80 workers, whatever was missing."""
+    stats = [p for p in all_panels(dash) if p["type"] == "stat" and p["options"].get("colorMode") != "none"]
+    assert stats, "no coloured stat panel: this test checked nothing"
+    for panel in stats:
+        assert "thresholds" in panel["fieldConfig"]["defaults"], panel["title"]
+    fill = next(p for p in stats if p["title"] == "Replay fill")
+    assert all(color != "red" for color, _ in _threshold_colors(fill["fieldConfig"]["defaults"]["thresholds"]))
+    workers = next(p for p in stats if p["title"] == "Workers up")
+    missing = next(t for t in workers["targets"] if "missing" in t["legendFormat"])
+    assert "ingestd_workers_desired" in missing["expr"] and "ingestd_worker_up" in missing["expr"]
+    override = next(o for o in workers["fieldConfig"]["overrides"] if o["matcher"]["options"] == missing["refId"])
+    red = [p["value"] for p in override["properties"] if p["id"] == "thresholds"]
+    assert red and ("red", 1) in _threshold_colors(red[0]), override
