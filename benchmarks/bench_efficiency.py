@@ -9,7 +9,9 @@ limit measured minutes before or after a daemon run (as ``bench_ingest.py`` does
 far from the machine's speed during it; two bench_ingest runs of the same code at load ~1
 gave CartPole 2-worker efficiencies of 0.72 and 0.65, and gymnasium 1.08 and 0.61.
 
-Each round, inside one running daemon (``tests/daemon_proc.py``; everything it made is
+After ``--warmup`` seconds of collection (and, for a case with ``warm_laps``, until the ring
+was written that many times per worker: first-touch page faults, ``warm_until``), each
+round, inside one running daemon (``tests/daemon_proc.py``; everything it made is
 removed at the end):
 
 1. the daemon collects for one window, from one move of the storage's ``write_count`` to
@@ -114,6 +116,16 @@ def next_commit(reader, timeout: float = 30.0) -> tuple[float, int]:
     return time.perf_counter(), reader.write_count
 
 
+def warm_until(reader, laps: float, timeout: float = 120.0) -> None:
+    """Wait until the ring was written ``laps`` times over. Each process maps the ring's pages
+    on its first touch of them (~0.7 s per GB of page faults here, in every worker), and a
+    fresh 1.8 GB Pixels ring wrote at 8k frames/s for its first 5 s, not 80-100k: the first
+    round read an efficiency of 0.07 (two runs). ``workers`` laps give each worker most pages."""
+    deadline = time.perf_counter() + timeout
+    while reader.write_count < laps * reader.capacity and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
 def paired(case: IngestCase, workers: int, rounds: int, window: float, warmup: float) -> dict[str, Any]:
     from ingestd.control import ControlClient
 
@@ -124,6 +136,7 @@ def paired(case: IngestCase, workers: int, rounds: int, window: float, warmup: f
         client = ControlClient(d.control_address, timeout=30)
         try:
             time.sleep(warmup)
+            warm_until(reader, case.warm_laps * workers)
             for _ in range(rounds):
                 t0, c0 = next_commit(reader)
                 time.sleep(window)
