@@ -118,7 +118,7 @@ def next_commit(reader, timeout: float = 30.0) -> tuple[float, int]:
 
 def warm_until(reader, laps: float, timeout: float = 120.0) -> None:
     """Wait until the ring was written ``laps`` times over. Each process maps the ring's pages
-    on its first touch of them (~0.7 s per GB of page faults here, in every worker), and a
+    on its first touch of them (0.7 s per GB of page faults in a bare copy loop here), and a
     fresh 1.8 GB Pixels ring wrote at 8k frames/s for its first 5 s, not 80-100k: the first
     round read an efficiency of 0.07 (two runs). ``workers`` laps give each worker most pages."""
     deadline = time.perf_counter() + timeout
