@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc
+from daemon_proc import DaemonProc, descendants
 from ingestd.control.client import DEFAULT_ACK_TIMEOUT_S, ControlClient
 from ingestd.service import config as cfg
 
@@ -88,6 +88,16 @@ def systemd_environ() -> dict[str, str]:
             "STATE_DIRECTORY": f"/var/lib/{one('StateDirectory')}",
             "CONFIGURATION_DIRECTORY": f"/etc/{one('ConfigurationDirectory')}",
             "HOME": f"/var/lib/{one('StateDirectory')}"}
+
+
+def unit_environment() -> dict[str, str]:
+    """The variables the unit's ``Environment=`` lines set (``KEY=VALUE``, each maybe quoted)."""
+    out = {}
+    for line in SERVICE.get("Environment", []):
+        for item in shlex.split(line):
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
 
 
 def local_command(line: str) -> list[str]:
@@ -236,9 +246,9 @@ def test_docs_cover_every_shipped_file():
 # -- a daemon started as the unit would start it ---------------------------------------------------
 @pytest.fixture(scope="module")
 def service():
-    """A daemon under the unit's UMask=, its replay in the runtime dir as in the example config,
-    with a fake NOTIFY_SOCKET, one worker from its config file, and a control socket."""
-    d = DaemonProc(notify=True, config_text="[workers]\ncount = 1\n", launch="exec")
+    """A daemon under the unit's UMask= and Environment=, its replay in the runtime dir as in the
+    example config, with a fake NOTIFY_SOCKET, one worker from its config file, and a control socket."""
+    d = DaemonProc(notify=True, config_text="[workers]\ncount = 1\n", launch="exec", env=unit_environment())
     d.overrides["replay.path"] = str(d.runtime_dir / "replay")
     old = os.umask(int(one("UMask"), 8))
     try:
@@ -336,11 +346,19 @@ def attach_as(uid: int, gid: int, groups: list[int], replay: Path) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+def test_large_copies_use_non_temporal_stores():
+    """docs/systemd.md ("Copy speed"): glibc's memcpy streams copies above 64 KiB past the caches."""
+    assert unit_environment().get("GLIBC_TUNABLES") == "glibc.cpu.x86_non_temporal_threshold=0x10000"
+
+
 def test_umask_makes_the_replay_readable_by_the_group_only(service):
     from ingestd.replay import ReplayReader
 
     d = service
     d.wait_ready(rows=1)
+    for pid in (d.proc.pid, *descendants(d.proc.pid)):  # the unit's Environment= reached the daemon and its workers
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=" + unit_environment()["GLIBC_TUNABLES"].encode() in environ, pid
     d.root.chmod(0o750)  # stands in for /run, which everyone may traverse
     replay = d.replay_path
     for path in [d.runtime_dir, *d.runtime_dir.rglob("*")]:
