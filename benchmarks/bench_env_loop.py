@@ -119,4 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from ingestd.service.tunables import exec_with_copy_tunable
+
+    exec_with_copy_tunable()  # the copy mode `ingestd run` gives its workers, here and in the limits
     main()

@@ -44,7 +44,12 @@ def pytest_sessionstart(session):
     hygiene.start()
     session.config.add_cleanup(lambda: _check_hygiene(session, hygiene))
     from forkserver import SERVER
+    from ingestd.service.tunables import with_copy_tunable
 
+    # every process the tests start has the tunable `ingestd run` would exec itself to get: the fork
+    # server (so its forked daemons started with it and do not exec) and the exec'd daemons alike;
+    # test_tunables starts daemons without it
+    os.environ["GLIBC_TUNABLES"] = with_copy_tunable(os.environ.get("GLIBC_TUNABLES", ""))
     SERVER.base_env = dict(os.environ)  # with the session's marker: its forked daemons are attributed
     session.config.add_cleanup(SERVER.close)  # before the check (cleanups run last-in, first-out)
 

@@ -23,7 +23,7 @@ from forkserver import SERVER
 # ingestd, sd_notify or pytest read at run time, and what libraries put into os.environ as they
 # import: TORCHINDUCTOR_CACHE_DIR, PYGAME_HIDE_SUPPORT_PROMPT) do not matter; PYTHONPATH is applied
 _LOAD_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH", "PYTORCH_",
-                  "CUDA_", "NCCL_")
+                  "CUDA_", "NCCL_", "GLIBC_")
 _RUN_TIME_ENV = frozenset(("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"))
 
 def free_port() -> int:

@@ -28,6 +28,7 @@ import pytest
 from daemon_proc import DaemonProc, descendants
 from ingestd.control.client import DEFAULT_ACK_TIMEOUT_S, ControlClient
 from ingestd.service import config as cfg
+from test_tunables import environ_of
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMD = REPO / "systemd"
@@ -357,8 +358,7 @@ def test_umask_makes_the_replay_readable_by_the_group_only(service):
     d = service
     d.wait_ready(rows=1)
     for pid in (d.proc.pid, *descendants(d.proc.pid)):  # the unit's Environment= reached the daemon and its workers
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert b"GLIBC_TUNABLES=" + unit_environment()["GLIBC_TUNABLES"].encode() in environ, pid
+        assert f"GLIBC_TUNABLES={unit_environment()['GLIBC_TUNABLES']}" in environ_of(pid), pid
     d.root.chmod(0o750)  # stands in for /run, which everyone may traverse
     replay = d.replay_path
     for path in [d.runtime_dir, *d.runtime_dir.rglob("*")]:

@@ -122,6 +122,10 @@ def _config_check(args, cfg) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
+        if argv is None:  # the process's own command line (not main([...]) called in a process of another's)
+            from ingestd.service.tunables import exec_with_copy_tunable
+
+            exec_with_copy_tunable()  # large copies past the caches: once, before anything (ingestd.service.tunables)
         from ingestd.service.signals import catch_early_sighup
 
         catch_early_sighup()  # before the seconds of imports: a SIGHUP must not kill a starting daemon

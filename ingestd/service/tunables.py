@@ -1,0 +1,65 @@
+"""Large copies past the caches: glibc's non-temporal threshold, for ``ingestd run``.
+
+A worker's large copies are image batches going into the replay's ring (1.8 MB a step
+for Pixels), which it never reads back. glibc's ``memcpy`` writes copies above
+``glibc.cpu.x86_non_temporal_threshold`` with non-temporal stores, which do not fill
+the caches; its default (about three quarters of the L3 a thread shares) is past those
+copies, so they evicted the env's and policy's working set. With the threshold at
+64 KiB a Pixels chunk was stored 1.06-1.26x as fast here (docs/systemd.md, "Copy speed").
+
+A tunable is read only as a process starts, so ``ingestd run`` execs itself once with it
+set (same PID, same command line) unless the process started with the threshold set,
+to this value or any other (the systemd unit sets it in ``Environment=``; a user's own
+value is kept). It applies to glibc on x86-64 Linux; elsewhere nothing is done.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+THRESHOLD = "0x10000"  # 64 KiB: an image batch is streamed, the small leaves' copies are not
+
+
+def with_copy_tunable(tunables: str) -> str:
+    """``GLIBC_TUNABLES`` with the threshold added, unless it names the threshold already."""
+    if _names_threshold(tunables):
+        return tunables
+    return ":".join(filter(None, (tunables, f"{TUNABLE}={THRESHOLD}")))
+
+
+def applies() -> bool:
+    """Whether this process runs glibc on x86-64 Linux (where the tunable means something)."""
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):  # not glibc (musl has no such name)
+        return False
+
+
+def started_with_threshold() -> bool | None:
+    """Whether this process's environment *at its start* (``/proc/self/environ``, not
+    ``os.environ``) set the threshold; None if that cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            initial = f.read().split(b"\0")
+    except OSError:
+        return None
+    return any(item.startswith(b"GLIBC_TUNABLES=") and _names_threshold(item[15:].decode(errors="replace"))
+               for item in initial)
+
+
+def exec_with_copy_tunable() -> None:
+    """Exec this process again, the same command line, with the threshold in its
+    environment: once at most (the new image started with it), and only where it applies."""
+    if not applies() or started_with_threshold() is not False:
+        return
+    os.environ["GLIBC_TUNABLES"] = with_copy_tunable(os.environ.get("GLIBC_TUNABLES", ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
+
+
+def _names_threshold(tunables: str) -> bool:
+    return any(item.partition("=")[0] == TUNABLE for item in tunables.split(":"))
