@@ -46,9 +46,9 @@ def pytest_sessionstart(session):
     from forkserver import SERVER
     from ingestd.service.tunables import with_copy_tunable
 
-    # every process the tests start has the tunable `ingestd run` would exec itself to get: the fork
-    # server (so its forked daemons started with it and do not exec) and the exec'd daemons alike;
-    # test_tunables starts daemons without it
+    # every process the tests start has the tunable `ingestd run` would exec itself to get (an exec'd
+    # daemon then does not exec again), the fork server included, so that its forked daemons (which
+    # never exec: they run main(argv)) copy as a real daemon does; test_tunables starts some without
     os.environ["GLIBC_TUNABLES"] = with_copy_tunable(os.environ.get("GLIBC_TUNABLES", ""))
     SERVER.base_env = dict(os.environ)  # with the session's marker: its forked daemons are attributed
     session.config.add_cleanup(SERVER.close)  # before the check (cleanups run last-in, first-out)

@@ -1,6 +1,9 @@
 """``ingestd run`` execs itself once with glibc's non-temporal threshold (ingestd.service.tunables)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,34 @@ def test_the_threshold_is_added_to_what_is_there_and_a_users_own_is_kept():
     own = f"glibc.malloc.tcache_count=0:{TUNABLE}=0x20000"
     assert with_copy_tunable(own) == own
     assert with_copy_tunable(f"{TUNABLE}x=1") == f"{TUNABLE}x=1:{OURS}"  # another name, not ours
+
+
+LDSO = Path("/lib64/ld-linux-x86-64.so.2")
+
+
+@needs_glibc
+def test_glibc_takes_the_setting():
+    """Not only the string: glibc's loader reads the threshold as set (a misspelled name, or a
+    value under glibc's minimum, 0x4040 here, would be ignored without a word)."""
+    if not LDSO.exists():
+        pytest.skip(f"no {LDSO}")
+    listed = subprocess.run([str(LDSO), "--list-tunables"], env={"GLIBC_TUNABLES": with_copy_tunable("")},
+                            capture_output=True, text=True, timeout=30)
+    if listed.returncode != 0:
+        pytest.skip("this glibc's loader has no --list-tunables (before 2.33)")
+    assert f"{TUNABLE}: {THRESHOLD} " in listed.stdout, listed.stdout
+
+
+@needs_glibc
+def test_an_exec_that_fails_leaves_the_process_as_it_was(tmp_path):
+    """No interpreter to exec (argv[0] that names none), or an exec refused: the command goes on
+    without the tunable, its environment and signal mask as they were."""
+    code = ("import os, signal, sys; sys.executable = '/nonexistent/python'; "
+            "from ingestd.service.tunables import exec_with_copy_tunable; exec_with_copy_tunable(); "
+            "print(os.environ.get('GLIBC_TUNABLES'), signal.SIGHUP in signal.pthread_sigmask(signal.SIG_BLOCK, []))")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["None", "False"], (out.stdout, out.stderr)
 
 
 def environ_of(pid: int) -> list[str]:

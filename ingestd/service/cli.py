@@ -101,6 +101,17 @@ def _replay(args) -> int:
     return 0
 
 
+def entry() -> int:
+    """The ``ingestd`` program: for ``run``, first the exec that gives large copies their
+    setting (``ingestd.service.tunables``), then :func:`main`. ``main`` itself never execs
+    (the tests' fork server calls it in a fork of its own process)."""
+    if sys.argv[1:2] == ["run"]:
+        from ingestd.service.tunables import exec_with_copy_tunable
+
+        exec_with_copy_tunable()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -122,10 +133,6 @@ def _config_check(args, cfg) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
-        if argv is None:  # the process's own command line (not main([...]) called in a process of another's)
-            from ingestd.service.tunables import exec_with_copy_tunable
-
-            exec_with_copy_tunable()  # large copies past the caches: once, before anything (ingestd.service.tunables)
         from ingestd.service.signals import catch_early_sighup
 
         catch_early_sighup()  # before the seconds of imports: a SIGHUP must not kill a starting daemon
@@ -201,4 +208,4 @@ def _setup_logging(level: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

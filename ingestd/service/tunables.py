@@ -5,16 +5,20 @@ for Pixels), which it never reads back. glibc's ``memcpy`` writes copies above
 ``glibc.cpu.x86_non_temporal_threshold`` with non-temporal stores, which do not fill
 the caches; its default (about three quarters of the L3 a thread shares) is past those
 copies, so they evicted the env's and policy's working set. With the threshold at
-64 KiB a Pixels chunk was stored 1.06-1.26x as fast here (docs/systemd.md, "Copy speed").
+64 KiB a Pixels chunk was stored 1.06-1.26x as fast here (docs/systemd.md, "Copy speed":
+on this AMD machine glibc 2.36 streams the copies past its ``rep movsb`` limit, 1 MiB;
+on Intel the same setting streams from 64 KiB, which was not measured).
 
-A tunable is read only as a process starts, so ``ingestd run`` execs itself once with it
-set (same PID, same command line) unless the process started with the threshold set,
+A tunable is read only as a process starts, so ``ingestd`` (its console script, or
+``python -m ingestd.service.cli``) execs itself once for ``run`` with it set (same PID,
+same command line; ``entry``) unless the process started with the threshold set,
 to this value or any other (the systemd unit sets it in ``Environment=``; a user's own
 value is kept). It applies to glibc on x86-64 Linux; elsewhere nothing is done.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
@@ -29,12 +33,17 @@ def with_copy_tunable(tunables: str) -> str:
 
 
 def applies() -> bool:
-    """Whether this process runs glibc on x86-64 Linux (where the tunable means something)."""
+    """Whether this process runs glibc 2.29 or later on x86-64 Linux, where the tunable has this
+    name (2.26-2.28 spelled it glibc.tune.*, and older releases have no tunables)."""
     if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
         return False
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+        name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
     except (ValueError, OSError):  # not glibc (musl has no such name)
+        return False
+    try:
+        return name == "glibc" and tuple(int(part) for part in version.split(".")[:2]) >= (2, 29)
+    except ValueError:
         return False
 
 
@@ -52,13 +61,31 @@ def started_with_threshold() -> bool | None:
 
 def exec_with_copy_tunable() -> None:
     """Exec this process again, the same command line, with the threshold in its
-    environment: once at most (the new image started with it), and only where it applies."""
-    if not applies() or started_with_threshold() is not False:
+    environment: once at most (the new image started with it), and only where it applies.
+
+    SIGHUP is blocked across the exec (a blocked signal stays pending through it):
+    ``catch_early_sighup`` unblocks it once its handler is in place, so a reload asked for
+    meanwhile is kept, not the default action's exit. An exec that fails (no interpreter
+    path, a security profile) leaves the process as it was, without the tunable."""
+    if not applies() or not sys.executable or started_with_threshold() is not False:
         return
-    os.environ["GLIBC_TUNABLES"] = with_copy_tunable(os.environ.get("GLIBC_TUNABLES", ""))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, sys.orig_argv)
+    before = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = with_copy_tunable(before or "")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        os.execv(sys.executable, sys.orig_argv)
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if before is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
 
 
 def _names_threshold(tunables: str) -> bool:
