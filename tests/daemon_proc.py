@@ -48,6 +48,11 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def environ_of(pid: int) -> list[str]:
+    """``KEY=VALUE`` items of the environment process ``pid`` started with (``/proc/PID/environ``)."""
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+
+
 def descendants(pid: int) -> list[int]:
     """PIDs of every live descendant of ``pid``."""
     found, todo = [], [pid]

@@ -64,16 +64,19 @@ def test_rows_are_the_same_plain_tensors_in_either_mode(make):
     chunks[True].get("observation").add_(1)  # an in-place edit outside the mode works
 
 
-def test_a_policy_that_needs_autograd_is_refused_at_start_up_with_the_way_out(tmp_path):
-    def config(*settings):
-        return load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
-                                  *PLANNER, *settings])
+def probe_planner(tmp_path, *settings):
+    """The start-up probe (``check_buildable``) of CartPole with the gradient planner."""
+    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
+                                *PLANNER, *settings])
+    return check_buildable(config, resolve_paths(config, os.environ))
 
+
+def test_a_policy_that_needs_autograd_is_refused_at_start_up_with_the_way_out(tmp_path):
     with pytest.raises(ConfigError) as err:
-        check_buildable(config(), resolve_paths(config(), os.environ))
+        probe_planner(tmp_path)
     assert err.value.key == "workers.policy", err.value
     assert "does not require grad" in str(err.value) and "workers.inference_mode = false" in str(err.value), err.value
-    rows, _ = check_buildable(config("workers.inference_mode=false"), resolve_paths(config(), os.environ))
+    rows, _ = probe_planner(tmp_path, "workers.inference_mode=false")
     assert rows.batch_size[0] == 1
 
 
@@ -81,10 +84,8 @@ def test_a_policy_that_needs_autograd_to_be_built_is_refused_too(tmp_path):
     """The probe builds the env and policy in the workers' mode, as they do: a planner that
     calibrates itself with autograd as it is built would otherwise pass the probe and fail in
     every worker."""
-    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', f'service.runtime_dir="{tmp_path}/run"',
-                                *PLANNER, "workers.policy_kwargs={calibrate=true}"])
     with pytest.raises(ConfigError) as err:
-        check_buildable(config, resolve_paths(config, os.environ))
+        probe_planner(tmp_path, "workers.policy_kwargs={calibrate=true}")
     assert "could not be built" in str(err.value) and "workers.inference_mode = false" in str(err.value), err.value
 
 

@@ -25,10 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc, descendants
+from daemon_proc import DaemonProc, descendants, environ_of
 from ingestd.control.client import DEFAULT_ACK_TIMEOUT_S, ControlClient
 from ingestd.service import config as cfg
-from test_tunables import environ_of
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMD = REPO / "systemd"

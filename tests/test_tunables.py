@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc, descendants
+from daemon_proc import DaemonProc, descendants, environ_of
 from ingestd.service.tunables import THRESHOLD, TUNABLE, applies, with_copy_tunable
 
 OURS = f"{TUNABLE}={THRESHOLD}"
@@ -49,10 +49,6 @@ def test_an_exec_that_fails_leaves_the_process_as_it_was(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["None", "False"], (out.stdout, out.stderr)
-
-
-def environ_of(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
 
 
 @needs_glibc
