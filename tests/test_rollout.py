@@ -1,6 +1,8 @@
 """The rollout's chunks: rolled into private buffers or straight into the storage's reserved slots."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -156,18 +158,27 @@ def test_chunks_rolled_into_reserved_slots_are_stored_exactly(shm_dir):
             assert_same_rows({k: v for k, v in flat(got).items() if k in want}, want)
 
 
-class Noisy(TorchEnv):
-    """Random float32 rewards (not exact in binary) and random episode ends, both ways."""
+# the rewards of Noisy: float32 draws in [-1, 2) (not exact in binary), and half of them -0.0
+# (a return of -0.0s alone is 0.0, as from 0.0 step by step)
+REWARDS = {
+    "floats": lambda draw: draw,
+    "floats and -0.0": lambda draw: torch.where(draw < 0.5, -0.0, draw),
+}
 
-    def __init__(self, ctx: EnvContext):
+
+class Noisy(TorchEnv):
+    """Random rewards (``REWARDS``) and random episode ends, both ways."""
+
+    def __init__(self, ctx: EnvContext, rewards: str = "floats"):
         super().__init__(ctx, EnvSpec((2,), torch.float32, (), torch.int64, 2))
+        self.rewards = REWARDS[rewards]
 
     def _reset(self, mask):
         return torch.zeros(self.num_envs, 2)
 
     def _step(self, action):
         draw = torch.rand(3, self.num_envs, generator=self._gen)
-        return torch.zeros(self.num_envs, 2), draw[0] * 3 - 1, draw[1] < 0.1, draw[2] < 0.05, {}
+        return torch.zeros(self.num_envs, 2), self.rewards(draw[0] * 3 - 1), draw[1] < 0.1, draw[2] < 0.05, {}
 
 
 class DoneAs:
@@ -212,12 +223,13 @@ class Regrowing:
         return transition, root
 
 
+@pytest.mark.parametrize("rewards", REWARDS)
 @pytest.mark.parametrize("regrow", [False, True], ids=["same buffers", "new buffers every chunk"])
 @pytest.mark.parametrize("steps", [1, 7])
 @pytest.mark.parametrize("layout", DONE_LAYOUTS)
-def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps, regrow):
+def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps, regrow, rewards):
     envs, base = 5, 9 << 32
-    env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base))
+    env = Noisy(EnvContext(num_envs=envs, seed=11, worker=2, episode_base=base), rewards)
     if DONE_LAYOUTS[layout] is not None:
         env = DoneAs(env, DONE_LAYOUTS[layout])
     if regrow:
@@ -241,6 +253,7 @@ def test_stamps_and_finished_episodes_match_a_step_by_step_account(layout, steps
                     lengths.append(step[i])
                     ret[i], step[i], episode[i] = 0.0, 0, episode[i] + envs
         assert (finished.returns, finished.lengths) == (returns, lengths)  # exactly
+        assert [math.copysign(1, r) for r in finished.returns] == [math.copysign(1, r) for r in returns]  # 0.0s
         total_finished += len(returns)
     assert total_finished > 10
 

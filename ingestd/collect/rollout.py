@@ -302,6 +302,7 @@ class Rollout:
         ``ret = ret + reward`` would give."""
         done, step, ret = self._done, self._step_np, self._returns
         _rewards_into(self._returns_t, reward)  # where an episode begins: its first reward
+        np.add(ret, 0.0, out=ret)  # (as from 0.0: an episode of -0.0 rewards returns 0.0 + -0.0 = 0.0)
         np.add(self._return, ret[0], out=ret[0])
         keep = np.logical_not(done)
         for t in range(1, self.chunk_steps):  # ret[t] = ret[t-1] + reward[t] where the episode goes on
