@@ -5,9 +5,9 @@ for Pixels), which it never reads back. glibc's ``memcpy`` writes copies above
 ``glibc.cpu.x86_non_temporal_threshold`` with non-temporal stores, which do not fill
 the caches; its default (about three quarters of the L3 a thread shares) is past those
 copies, so they evicted the env's and policy's working set. With the threshold at
-64 KiB a Pixels chunk was stored 1.06-1.26x as fast here (docs/systemd.md, "Copy speed":
-on this AMD machine glibc 2.36 streams the copies past its ``rep movsb`` limit, 1 MiB;
-on Intel the same setting streams from 64 KiB, which was not measured).
+64 KiB a Pixels chunk was stored 1.06-1.26x as fast on an AMD EPYC VM and 1.18-1.59x on
+an Intel Xeon VM (docs/systemd.md, "Copy speed": on that AMD machine glibc 2.36 streams
+the copies past its ``rep movsb`` limit, 1 MiB; on Intel, every copy from 64 KiB).
 
 A tunable is read only as a process starts, so ``ingestd`` (its console script, or
 ``python -m ingestd.service.cli``) execs itself once for ``run`` with it set (same PID,
