@@ -37,13 +37,10 @@ def applies() -> bool:
     name (2.26-2.28 spelled it glibc.tune.*, and older releases have no tunables)."""
     if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
         return False
-    try:
+    try:  # (musl has no such name: ValueError)
         name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
-    except (ValueError, OSError):  # not glibc (musl has no such name)
-        return False
-    try:
         return name == "glibc" and tuple(int(part) for part in version.split(".")[:2]) >= (2, 29)
-    except ValueError:
+    except (ValueError, OSError):
         return False
 
 
