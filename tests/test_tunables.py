@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from daemon_proc import DaemonProc, descendants, environ_of
+from daemon_proc import DaemonProc, descendants, environ_of, wait_for
 from ingestd.service.tunables import THRESHOLD, TUNABLE, applies, with_copy_tunable
 
 OURS = f"{TUNABLE}={THRESHOLD}"
@@ -62,4 +63,52 @@ def test_a_daemon_started_without_the_threshold_runs_with_it_under_the_same_pid(
         d.wait_ready(timeout=60, rows=1)
         for pid in (d.proc.pid, *descendants(d.proc.pid)):
             assert f"GLIBC_TUNABLES={expected}" in environ_of(pid), pid
+        assert d.stop() == 0, d.log()
+
+
+@needs_glibc
+def test_the_exec_keeps_sighup_blocked_across_it(tmp_path):
+    """SIGHUP is blocked at the moment of the exec (a SIGHUP then stays pending into the new
+    image instead of killing the process between the exec and its handler), and only then."""
+    code = ("import os, signal, sys\n"
+            "def execv(path, argv):\n"
+            "    print('blocked' if signal.SIGHUP in signal.pthread_sigmask(signal.SIG_BLOCK, []) else 'open',"
+            " os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
+            "    os._exit(0)\n"
+            "print('before', signal.SIGHUP in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)\n"
+            "os.execv = execv\n"
+            "from ingestd.service.tunables import exec_with_copy_tunable; exec_with_copy_tunable()\n"
+            "print('not reached', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["before", "False", "blocked", OURS], (out.stdout, out.stderr)
+
+
+class _SighupPendingAtStart(DaemonProc):
+    """An exec'd daemon whose process starts with a SIGHUP pending and blocked: the state a
+    SIGHUP sent inside the tunables' exec leaves (blocked by ``exec_with_copy_tunable``, it
+    stays pending into the new image), made certain rather than raced for."""
+
+    def args(self) -> list[str]:
+        wrapper = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP}); "
+                   "os.kill(os.getpid(), signal.SIGHUP); os.execv(sys.executable, sys.argv[1:])")
+        return [sys.executable, "-c", wrapper, *super().args()]
+
+
+@needs_glibc
+def test_a_sighup_pending_across_the_exec_is_a_reload_not_an_exit():
+    """The daemon execs itself for the tunable with the SIGHUP still pending; the new image's
+    early handler takes it once in place (unblocking it), so the daemon neither dies of it nor
+    loses it (the config changed after it was read: the deferred reload applies the change),
+    and later SIGHUPs reach the daemon's own handler (SIGHUP is not left blocked)."""
+    env = {"GLIBC_TUNABLES": ""}  # without the threshold: `run` execs itself
+    with _SighupPendingAtStart(overrides={"workers.count": 1}, config_text="[workers]\nrestart_budget = 7\n",
+                               env=env, launch="exec") as d:
+        d.wait_ready(timeout=60, rows=1)
+        wait_for(lambda: "a SIGHUP arrived while starting" in d.log(), 10, "the early SIGHUP's deferred reload")
+        assert f"GLIBC_TUNABLES={OURS}" in environ_of(d.proc.pid)  # it did exec with the SIGHUP pending
+        d.config_path.write_text("[workers]\nrestart_budget = 9\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload: applied workers.restart_budget" in d.log(), 10, "the later SIGHUP's reload")
+        assert d.proc.poll() is None
         assert d.stop() == 0, d.log()
