@@ -22,6 +22,15 @@ log = logging.getLogger("ingestd.worker")
 
 PATH_BYTES = 256
 CHUNK_RANGE = "ingestd.worker.chunk"
+DEFAULT_SECONDS = 1.0  # a second of a 256-env CartPole worker: ~120 chunks, a ~120 MB trace
+MAX_SECONDS = 30.0  # traces go to the runtime dir, RAM under systemd: ~3.6 GB at this length
+
+
+def write_allowance(seconds: float) -> float:
+    """How long stopping the profiler and writing the trace of ``seconds`` may take, both
+    holding the GIL: torch's ``profiler.stop()`` 2.5 s for each profiled second of a 256-env
+    CartPole worker here (8.2 s for 3 s), then the export 0.7-0.9 s a second."""
+    return 30.0 + 10.0 * seconds
 
 
 class ProfileRequests:
@@ -30,11 +39,14 @@ class ProfileRequests:
     def __init__(self, rec, worker: int, beat: Callable[[], None]):
         """``beat``: the worker's heartbeat, kept going while a trace is written."""
         self.rec, self.worker, self._beat = rec, worker, beat
-        rec["profile_done"] = rec["profile_seq"]  # a request left for a dead predecessor is not ours
         self._profiler = None
-        self._until = 0.0
+        self._until = self._seconds = 0.0
         self._seq = 0
         self._path = ""
+        pending = int(rec["profile_seq"])
+        if pending != abs(int(rec["profile_done"])):  # left by a predecessor that died recording it: failed
+            self._seq = pending  # (marked done, the daemon answered with the path of a trace never written)
+            self._fail("the worker's process died before it wrote the trace (restarted since); ask again")
 
     @property
     def active(self) -> bool:
@@ -61,7 +73,7 @@ class ProfileRequests:
     def _start(self, seq: int, path: str, seconds: float) -> None:
         import torch
 
-        self._seq, self._path = seq, path
+        self._seq, self._path, self._seconds = seq, path, seconds
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -78,17 +90,20 @@ class ProfileRequests:
         profiler, self._profiler = self._profiler, None
         if profiler is None:
             return
-        from ingestd.collect.features import keepalive  # here: features imports this module
-
-        try:  # writing a trace can take longer than the heartbeat timeout: not a hang (it was killed as one)
-            with keepalive(self._beat):
-                profiler.stop()
-                tmp = f"{self._path}.tmp{os.getpid()}"
-                profiler.export_chrome_trace(tmp)
-                os.replace(tmp, self._path)
+        try:  # stopping and writing take longer than the heartbeat timeout: not a hang (it was killed as one)
+            # torch's stop() and export hold the GIL for seconds, so no thread can beat (a keepalive
+            # thread did not get to run): the heartbeat word is set ahead instead, a lease the
+            # supervisor honours as a recent beat
+            self.rec["heartbeat"] = time.monotonic() + write_allowance(self._seconds)
+            profiler.stop()
+            tmp = f"{self._path}.tmp{os.getpid()}"
+            profiler.export_chrome_trace(tmp)
+            os.replace(tmp, self._path)
         except Exception as exc:
             self._fail(f"could not write the trace: {exc}")
             return
+        finally:
+            self._beat()  # the lease ends with the write
         log.info("worker %d: profile written to %s", self.worker, self._path)
         self.rec["profile_done"] = self._seq
 

@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     switch.add_argument("--disable", dest="enabled", action="store_false")
     cmd = sub.add_parser("profile", help="record a torch profiler trace of worker W; prints the trace path")
     cmd.add_argument("worker", type=int, metavar="W")
-    cmd.add_argument("--seconds", type=float, default=5.0, metavar="S", help="how long to record (5)")
+    cmd.add_argument("--seconds", type=float, default=None, metavar="S",
+                     help="how long to record (1; at most 30: a second of a busy worker is a ~100 MB trace)")
     cmd = sub.add_parser("snapshot", help="copy the replay's committed rows into <data_dir>/snapshots/NAME "
                                           "(default NAME: the UTC time) while the workers keep collecting")
     cmd.add_argument("name", nargs="?", metavar="NAME", help="letters, digits, '.', '_', '-' (not starting with '.')")

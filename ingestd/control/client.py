@@ -251,10 +251,13 @@ class ControlClient:
                              "in its config (and restart it), or check the state dict holds only the policy's "
                              "tensors")
 
-    def profile(self, worker: int, seconds: float = 5.0) -> Profiled:
-        """Record a torch profiler trace of worker ``worker``'s loop for ``seconds`` while it keeps
-        collecting; returns once the worker wrote the Chrome trace (``.path``, on the daemon's host)."""
-        return Profiled.from_json(self.call(Profile(worker=int(worker), seconds=float(seconds))))
+    def profile(self, worker: int, seconds: float | None = None) -> Profiled:
+        """Record a torch profiler trace of worker ``worker``'s loop for ``seconds`` (1 by default,
+        at most 30) while it keeps collecting; returns once the worker wrote the Chrome trace
+        (``.path``, on the daemon's host)."""
+        request = Profile(worker=int(worker)) if seconds is None else Profile(worker=int(worker),
+                                                                              seconds=float(seconds))
+        return Profiled.from_json(self.call(request))
 
     def limiter(self, **changes: Any):
         """The rate limiter's state; keyword arguments (``enabled``, ``min_size``,

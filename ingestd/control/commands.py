@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
+from ingestd.collect import profiling
 from ingestd.control.protocol import ErrorCode, RequestError
 from ingestd.errors import BadReply
 
@@ -199,8 +200,7 @@ class Reload(Request):
     cmd: ClassVar[str] = "reload"
 
 
-MAX_PROFILE_S = 600.0
-PROFILE_EXPORT_S = 10.0  # on top of the profiled seconds: stopping the profiler and writing the trace
+MAX_PROFILE_S = profiling.MAX_SECONDS
 
 
 def _profile_seconds(name: str, value: Any) -> float:
@@ -217,7 +217,7 @@ class Profile(Request):
     cmd: ClassVar[str] = "profile"
     idempotent: ClassVar[bool] = False
     worker: int = arg(None, _int(0, MAX_WORKERS - 1))
-    seconds: float = arg(5.0, _profile_seconds)
+    seconds: float = arg(profiling.DEFAULT_SECONDS, _profile_seconds)
 
     @classmethod
     def _build(cls, values: dict[str, Any], payload: tuple) -> Request:
@@ -227,7 +227,7 @@ class Profile(Request):
 
     @property
     def wait_s(self) -> float:
-        return self.seconds + PROFILE_EXPORT_S
+        return self.seconds + profiling.write_allowance(self.seconds)  # the worker's lease for the write
 
 
 def _optional(check: Check) -> Check:
