@@ -206,3 +206,32 @@ def test_an_unreadable_keys_directory_keeps_the_keys_at_reload(daemon, keys):
         finally:
             moved.rename(authorized)
         assert admin.reload().authorized_keys_error is None
+
+
+def test_events_of_a_tcp_daemon_whose_events_socket_is_left_ipc(keys):
+    """control.address tcp://, control.events_address unset (its ipc default): a client with
+    CURVE keys followed that ipc socket with them and heard nothing, without a word (review). On
+    the daemon's host it now follows it without keys (CURVE is for tcp only); where the socket is
+    not (another host), it is told why and what to set. The start-up log says which socket is CURVE."""
+    _, authorized, made = keys
+    overrides = {**SETTINGS, "control.address": f"tcp://127.0.0.1:{free_port()}",
+                 "control.curve_secret_key": str(made["server"][1]), "control.curve_authorized_keys": str(authorized)}
+    with shared_paused(), DaemonProc(overrides=overrides, env=PLUGIN_ENV) as d:
+        with ControlClient(d.control_address, timeout=3.0, curve_keys=_keys(made, "trainer")) as c:
+            wait_for(lambda: _alive(d, c), 60, "the daemon to answer over CURVE", interval=0.1)
+            with EventStream.of(c, ("paused",)) as stream:
+                assert stream.address == f"ipc://{d.runtime_dir}/events.sock"
+                assert _paused_event(c, stream).topic == "paused"
+
+            class Elsewhere:  # the same daemon, as a client on another host sees it: no such socket here
+                address, curve_keys = c.address, c.curve_keys
+
+                def ping(self):
+                    return {**c.ping(), "events_address": "ipc:///nonexistent-ingestd/run/events.sock"}
+
+            with pytest.raises(DaemonUnavailable, match=r"control\.events_address = \"tcp://HOST:PORT\""):
+                EventStream.of(Elsewhere())
+        line = next(line for line in d.log().splitlines() if "ingestd.control: control: " in line)
+        assert f"{d.control_address} (CURVE), events: ipc://{d.runtime_dir}/events.sock;" in line, line
+        assert "None" not in line, line
+        assert d.stop() == 0

@@ -89,7 +89,7 @@ def _client_socket(context: zmq.Context, kind: int, address: str, curve_keys: "C
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too (IPv4 addresses work as before)
-        if curve_keys is not None:
+        if curve_keys is not None and address.startswith("tcp://"):  # CURVE is for tcp only (ipc: the file mode)
             curve_keys.apply(sock)
         for topic in subscribe:
             sock.setsockopt(zmq.SUBSCRIBE, topic)
@@ -447,8 +447,15 @@ class EventStream:
     def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:
         """The event stream of the daemon ``client`` talks to (asks it for the address)."""
         pong = client.ping()
-        return cls(events_address(pong["events_address"], client.address, pong.get("events_local")), topics,
-                   curve_keys=client.curve_keys)
+        address = events_address(pong["events_address"], client.address, pong.get("events_local"))
+        path = socket_file(address)
+        if path is not None and not _may_exist(path):  # an ipc socket of the daemon's host, not of this one
+            raise DaemonUnavailable(
+                f"the daemon at {client.address} publishes its events only at {address}, a socket on its own host "
+                "that is not here (control.events_address is unset, so the events socket is ipc); set "
+                "control.events_address = \"tcp://HOST:PORT\" in the daemon's config to follow them over tcp "
+                "(CURVE keys as for control.address), or run this on the daemon's host")
+        return cls(address, topics, curve_keys=client.curve_keys)
 
     def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after ``timeout`` seconds (None: wait for ever)."""

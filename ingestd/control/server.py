@@ -104,8 +104,12 @@ class ControlServer:
         daemon.reload_runner = self._reload_on_signal
         self._thread = threading.Thread(target=self._run, name="ingestd-control", daemon=True)
         self._thread.start()
-        log.info("control: %s, events: %s%s%s", paths.control, paths.events, " (CURVE)" if keys else "",
-                 f"; local: {local_control}, {local_events}" if local_control or local_events else "")
+        def shown(address: str) -> str:
+            return f"{address} (CURVE)" if keys and address.startswith("tcp://") else address
+
+        local = ", ".join(a for a in (local_control, local_events) if a)
+        log.info("control: %s, events: %s%s", shown(paths.control), shown(paths.events),
+                 f"; without keys on this host: {local}" if local else "")
 
     def _setup_curve(self, paths, telemetry) -> tuple[bytes, bytes] | None:
         """The server key pair and the authenticator, when a socket is tcp:// (CURVE is for tcp
