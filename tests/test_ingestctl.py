@@ -200,13 +200,18 @@ def test_push_weights_key_picks_a_checkpoint_entry(tmp_path):
     but there was no way to use it); a missing entry, or one that is no state dict, says so."""
     path = tmp_path / "ckpt.pt"
     model = torch.nn.Linear(2, 3).state_dict()
-    torch.save({"model": model, "step": torch.tensor(3)}, path)
+    optim = torch.optim.SGD(torch.nn.Linear(2, 3).parameters(), lr=0.1).state_dict()
+    torch.save({"model": model, "step": torch.tensor(3), "optim": optim}, path)
     loaded = cli.load_state_dict(str(path), "model")
     assert loaded.keys() == model.keys() and all(torch.equal(loaded[k], model[k]) for k in model)
-    with pytest.raises(cli.InputError, match=r"ckpt.pt has no entry 'optim': it holds a dict of 'model', 'step'"):
-        cli.load_state_dict(str(path), "optim")
-    with pytest.raises(cli.InputError, match=r"ckpt.pt's entry 'step' does not hold a state dict"):
+    with pytest.raises(cli.InputError, match=r"ckpt.pt has no entry 'opt': it holds a dict of 'model', 'step', 'optim'"):
+        cli.load_state_dict(str(path), "opt")
+    with pytest.raises(cli.InputError, match=r"ckpt.pt's entry 'step' does not hold a state dict .*: it holds a Tensor;"):
         cli.load_state_dict(str(path), "step")
+    # the entry's own contents, not the checkpoint's (review: it listed 'model', 'optim' for --key optim)
+    with pytest.raises(cli.InputError, match=r"entry 'optim' does not hold a state dict .*: it holds a dict of "
+                                             r"'state', 'param_groups';"):
+        cli.load_state_dict(str(path), "optim")
 
 
 def test_exit_codes(daemon, client, capsys, tmp_path):

@@ -401,6 +401,17 @@ def test_cli_errors_name_what_the_operator_got_wrong(shm_dir, capsys):
     err = capsys.readouterr().err
     assert "is a snapshot" in err and "ingestd replay restore" in err and "incomplete" not in err
     assert not (shm_dir / "again").exists() and leftovers(shm_dir) == []
+    # a trainer attaching to the snapshot said "header.bin is missing; the storage is incomplete" (review)
+    from ingestd.errors import StorageNotFound
+    from ingestd.replay import ReplayReader
+
+    with pytest.raises(StorageNotFound, match="is a snapshot, not a replay storage.*ingestd replay restore"):
+        ReplayReader(shm_dir / "snap")
+    # and the other way round: restore given a storage said "not a usable snapshot: [Errno 2] ... snapshot.json"
+    assert cli.main(["replay", "restore", src, str(shm_dir / "again")]) == 65
+    err = capsys.readouterr().err
+    assert "is a replay storage, not a snapshot" in err and "Errno" not in err, err
+    assert not (shm_dir / "again").exists() and leftovers(shm_dir) == []
 
 
 def test_a_file_given_as_the_storage_is_named_a_file(shm_dir, capsys):

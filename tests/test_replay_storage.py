@@ -909,6 +909,23 @@ def test_the_daemon_names_the_config_key_an_existing_replay_refuses(shm_dir, cha
     assert fingerprint(shm_dir / "r") == before
 
 
+def test_a_replay_of_other_nstep_rows_names_workers_n_step(shm_dir):
+    """Reopening a replay of n-step rows with n_step = 1 (or the other way round) said "use a new
+    replay path for a different env", while the env was the same (review): it names workers.n_step."""
+    from ingestd.collect.nstep import STEPS_KEY
+    from ingestd.service.layout import _open_replay
+
+    path = filled(shm_dir / "r")  # 1-step rows
+    before = fingerprint(shm_dir / "r")
+    nstep = {**rp.spec("cartpole"), (STEPS_KEY,): ((1,), torch.int64)}
+    with pytest.raises(ConfigError, match=r"config key 'workers.n_step': .*this replay holds 1-step rows"):
+        _open_replay(path, nstep, 64)
+    assert fingerprint(shm_dir / "r") == before
+    ReplayStorage.create(shm_dir / "n", nstep, 64).close()  # n-step rows, reopened for 1-step ones
+    with pytest.raises(ConfigError, match=r"config key 'workers.n_step': .*this replay holds n-step rows"):
+        _open_replay(shm_dir / "n", rp.spec("cartpole"), 64)
+
+
 def test_create_refuses_existing_or_foreign_directories(shm_dir):
     path = filled(shm_dir / "r")
     with pytest.raises(FileExistsError, match="already holds"):

@@ -382,7 +382,8 @@ class ControlClient:
                 hint = (f"; the socket file {path} exists but no daemon answered on it (killed, hung, or stopped "
                         "without cleanup): check `systemctl status ingestd` or the daemon's pid")
         elif self.address.startswith("tcp://") and self.curve_keys is None:
-            hint = "; tcp:// needs CURVE keys (--server-key/--client-key)"
+            hint = ("; tcp:// needs CURVE keys: ControlClient(..., curve_keys=CurveKeys.load(SERVER_KEY, "
+                    "CLIENT_KEY_SECRET)), or ingestctl --server-key/--client-key")
         elif self.address.startswith("tcp://"):  # a refused CURVE handshake looks like silence
             hint = ("; or the daemon refused this client's key (not in its control.curve_authorized_keys, or "
                     "revoked), or --server-key is not the daemon's public key")

@@ -60,7 +60,7 @@ def load_state_dict(path: str, key: str | None = None) -> dict:
         hint = "pass --key NAME for the entry that is one" if key is None and _state_dict_entries(loaded) \
             else "save one with torch.save(model.state_dict(), FILE)"
         raise InputError("bad_input", f"{what} does not hold a state dict (a non-empty dict of name -> tensor)"
-                                      f"{_found(loaded)}; {hint}", EX_DATAERR)
+                                      f"{_found(obj if key is not None else loaded)}; {hint}", EX_DATAERR)
     return obj
 
 

@@ -49,7 +49,7 @@ from typing import Callable
 import lz4.frame
 import numpy as np
 
-from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists, StorageNotFound
+from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists
 from ingestd.replay import files, nstep_record, priority
 from ingestd.replay.storage import MappedStore, ReplayStorage
 
@@ -92,10 +92,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
         raise SnapshotExists(f"{dest} already exists; choose another snapshot name or path")
     if not dest.parent.is_dir():
         raise FileNotFoundError(f"cannot write the snapshot {dest}: {dest.parent} does not exist (create it first)")
-    if (Path(replay_path) / "snapshot.json").exists():
-        raise StorageNotFound(f"{replay_path} is a snapshot, not a replay storage: make a storage from it with "
-                              "`ingestd replay restore SNAPSHOT DEST`")
-    store = MappedStore(replay_path, writable=False)
+    store = MappedStore(replay_path, writable=False)  # (a snapshot given here: StorageNotFound, saying so)
     tmp = _partial(dest)
     try:
         tmp.mkdir()
@@ -165,6 +162,9 @@ def read_info(snapshot: str | os.PathLike) -> tuple[dict, dict]:
     snapshot = Path(snapshot)
     if not snapshot.is_dir():
         raise BadSnapshot(f"no snapshot at {str(snapshot)!r}: not a directory")
+    if not (snapshot / "snapshot.json").exists() and (snapshot / "header.bin").exists():
+        raise BadSnapshot(f"{snapshot} is a replay storage, not a snapshot: snapshot it first (`ingestd replay "
+                          "snapshot REPLAY DEST`, or `ingestctl snapshot` while the daemon runs), or attach to it as is")
     try:
         info = json.loads((snapshot / "snapshot.json").read_text())
         if not isinstance(info, dict):

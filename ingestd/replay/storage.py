@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ingestd.errors import CapacityMismatch, ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull
+from ingestd.errors import (CapacityMismatch, ClosedError, CorruptStorage, LockBusy, SchemaMismatch, StorageFull,
+                            StorageNotFound)
 from ingestd.replay import files
 from ingestd.replay import limiter, nstep_record, packing, priority
 from ingestd.replay.priority import PriorityTree
@@ -66,6 +67,9 @@ class MappedStore:
 
     def __init__(self, path: str | os.PathLike, writable: bool):
         self.path = Path(path).expanduser()
+        if (self.path / "snapshot.json").exists():  # its meta.json reads, then "header.bin is missing" (review)
+            raise StorageNotFound(f"{self.path} is a snapshot, not a replay storage: make a storage from it with "
+                                  "`ingestd replay restore SNAPSHOT DEST` (ingestd.replay.restore) and attach to that")
         meta = files.read_meta(self.path)
         self.capacity: int = meta["capacity"]
         self.schema: dict[Key, Leaf] = meta["schema"]
