@@ -139,6 +139,9 @@ BAD = [
     (["control.address=ipc:///s", "control.events_address=ipc:///s"], "control.events_address", "differ"),
     (["control.max_frames=1"], "control.max_frames", "2..1024"),
     (["control.max_message_bytes=1.5e9"], "control.max_message_bytes", "an integer"),
+    # a min_size never reached held every trainer for ever (review: a frame budget below it, accepted at start)
+    (["limiter.enabled=true", "limiter.min_size=50000", "workers.total_frames=40000"], "limiter.min_size",
+     "at most workers.total_frames (40000)"),
     (["metrics.port=70000"], "metrics.port", "0..65535"),
     (["metrics.enabled=yes"], "metrics.enabled", "true or false"),
     (["metrics.address="], "metrics.address", "host name or IP"),
@@ -397,3 +400,11 @@ def test_a_directory_setting_naming_a_dangling_symlink_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'service.data_dir': .*data is a symlink to .*not-mounted, "
                                           r"which is no directory"):
         make_dir(link, "service.data_dir")
+
+
+def test_a_min_size_the_replay_can_reach_is_fine():
+    """The checks above judge only an enabled limiter, and a budget of 0 is no budget."""
+    assert load_config(overrides=["limiter.min_size=50000", "workers.total_frames=40000"]).limiter.min_size == 50000
+    assert load_config(overrides=["limiter.enabled=true", "limiter.min_size=2000000"]).limiter.enabled  # > capacity
+    assert load_config(overrides=["limiter.enabled=true", "limiter.min_size=40000",
+                                  "workers.total_frames=40000"]).workers.total_frames == 40000

@@ -81,7 +81,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     if errors:
         raise ConfigError.every(errors)
     config = Config(**sections)
-    for check, part in ((_check_workers, config), (_check_control, config.control), (_check_limiter, config.limiter)):
+    for check, part in ((_check_workers, config), (_check_control, config.control), (_check_limiter, config)):
         try:
             check(part)
         except ConfigError as exc:
@@ -91,13 +91,24 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     return config
 
 
-def _check_limiter(c) -> None:
+def _check_limiter(config: Config) -> None:
     from ingestd.replay.limiter_params import check_window, params_of
 
+    c = config.limiter
     try:
         check_window(params_of(c))
     except ValueError as exc:
         raise ConfigError("limiter.max_diff", str(exc)) from None
+    if not c.enabled:
+        return
+    # a min_size never written would hold every trainer for ever, each sample timing out (a ring
+    # smaller than min_size is fine: readers then wait for min_size rows written, docs/sampling.md)
+    budget = config.workers.total_frames
+    if 0 < budget < c.min_size:
+        raise ConfigError("limiter.min_size", f"must be at most workers.total_frames ({budget}): the workers stop "
+                                              "at that frame budget before the replay holds min_size rows, so "
+                                              f"trainers would wait for ever; got {c.min_size}. Lower "
+                                              "limiter.min_size or raise workers.total_frames")
 
 
 def _section_from_dict(name: str, cls: type, raw: Any, errors: list[ConfigError]) -> Any:
