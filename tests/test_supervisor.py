@@ -182,6 +182,59 @@ def test_a_worker_gone_without_a_word_has_its_exit_in_the_error(sleepers):
     assert stats.error(1) == "ValueError: the env's own words"  # a worker's own error is kept
 
 
+def test_each_death_is_reported_with_its_own_reason_not_an_earlier_ones(tmp_path):
+    """The error word keeps the last death's text for status; a later death that left no error
+    of its own took it over: SIGSEGVs after one SIGKILL were all logged, evented and finally
+    marked failed as "killed by SIGKILL ... the OOM killer?", a crash after a hang kill as
+    "hung" (ops review). Each death now reports how it ended."""
+
+    class Forks:  # real processes, each ended by the test as the next death
+        def __init__(self):
+            self.made = []
+
+        def Process(self, **kwargs):  # noqa: N802 - multiprocessing's name
+            return self
+
+        def start(self):
+            self.made.append(Failer("kill -SEGV $$"))
+
+        def __getattr__(self, name):  # pid, exitcode, join, close: the process last started
+            return getattr(self.made[-1], name)
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    now = [100.0]
+    supervisor = Supervisor(spec_of, stats, RestartPolicy(budget=3, heartbeat_timeout_s=TIMEOUT_S),
+                            clock=lambda: now[0])
+    events = []
+    supervisor._on_event = lambda name, **fields: events.append((name, fields))
+    supervisor._ctx = forks = Forks()
+    try:
+        supervisor.scale(1)
+        supervisor.tick()
+        forks.made[-1]._popen.kill()  # from outside: SIGKILL
+        forks.made[-1]._popen.wait()
+        supervisor.tick()
+        assert stats.error(0).startswith("killed by SIGKILL"), stats.error(0)
+        for _ in range(2):  # crashes of its own, each with the reason of its own end (the budget: 3 deaths)
+            now[0] += 60.0
+            supervisor.tick()  # restarted
+            stats[0]["heartbeat"] = now[0]
+            forks.made[-1].stop()  # SIGSEGV
+            supervisor.tick()
+        died = [fields["error"] for name, fields in events if name == "worker.died"]
+        assert died[0].startswith("killed by SIGKILL") and len(died) == 3, died
+        assert all(e.startswith("killed by SIGSEGV") for e in died[1:]), died
+        failed = [fields["error"] for name, fields in events if name == "worker.failed"]
+        assert failed and failed[0].startswith("killed by SIGSEGV"), failed
+        assert stats.error(0).startswith("killed by SIGSEGV")
+    finally:
+        for proc in forks.made:
+            if proc.is_alive():
+                proc._popen.kill()
+                proc._popen.wait()
+        stats.close()
+
+
 def test_a_fork_that_fails_is_retried_with_backoff_then_marked_failed(tmp_path):
     """A fork failing with EMFILE (descriptors exhausted) was not handled: the daemon began
     stopping, then crashed joining the process that never started."""

@@ -53,6 +53,7 @@ class Slot:
     hung: bool = False  # found hung (missed heartbeat), not reaped yet (report and kill it once)
     kill_at: float | None = None  # a hung worker is SIGKILLed then, once it has dumped its stacks
     failed_at: float | None = None  # when it was marked failed (for workers.failed_retry_s)
+    error_mark: tuple = ()  # (error_at, error) as this incarnation started: an error equal to it is an earlier one's
 
 
 def _exit_reason(code: int | None) -> str:
@@ -198,6 +199,7 @@ class Supervisor:
     def _start(self, index: int, slot: Slot) -> None:
         slot.start_at, slot.hung, slot.failed_at, slot.kill_at, slot.collecting_since = None, False, None, None, None
         self.stats.reset(index)
+        slot.error_mark = (float(self.stats[index]["error_at"]), bytes(self.stats[index]["error"]))
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING
         if self._incarnation is not None:
@@ -245,7 +247,10 @@ class Supervisor:
         external = code in (-signal.SIGKILL, -signal.SIGTERM) and not slot.hung
         counted = self._count(slot, rec, now, own=not external)
         error = self.stats.error(index)
-        if not error:  # gone without a word (os._exit, a segfault, the OOM killer): status says how
+        # gone without a word (os._exit, a segfault, the OOM killer): status says how. The error word
+        # keeps an earlier death's text (reset leaves it for status), which is not this one's reason:
+        # a SIGSEGV after a SIGKILL was reported as "killed by SIGKILL ... the OOM killer?" (ops review)
+        if not error or (float(rec["error_at"]), bytes(rec["error"])) == slot.error_mark:
             error = _exit_reason(code)
             self.stats.set_error(index, error)
         log.warning("worker %d died (%s); %d consecutive failure(s)", index, error, slot.failures)
