@@ -199,8 +199,10 @@ def config_reference_markdown() -> str:
 
 
 def _setup_logging(level: str) -> None:
+    from ingestd.service.journal import formatter_for
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(formatter_for(sys.stderr))  # priority-prefixed lines when stderr is the journal
     root = logging.getLogger("ingestd")
     root.addHandler(handler)
     root.setLevel(level.upper())
