@@ -365,7 +365,8 @@ def test_a_reader_whose_storage_left_its_path_is_told(shm_dir, monkeypatch, how)
             filled(path, capacity=64, rows=50)
         calls = [lambda: uniform.sample(8), lambda: uniform.sample(8, timeout=5.0), lambda: uniform.gather([0]),
                  lambda: uniform.sample(8, out=uniform.empty_batch(8)), lambda: prioritized.sample(8, timeout=5.0),
-                 lambda: prioritized.sample_sequences(2, 2, timeout=5.0)]
+                 lambda: prioritized.sample_sequences(2, 2, timeout=5.0),
+                 lambda: prioritized.update_priorities([0], [1.0])]  # "applied" to a frozen tree (review)
         for call in calls:
             with pytest.raises(StorageReplaced, match="removed or replaced since this reader attached"):
                 call()
@@ -963,7 +964,8 @@ def test_closed_handles_say_so(shm_dir):
     reader.close()
     store.close()  # twice is fine
     for call in (lambda: store.write(rp.template(store.schema, 1)), lambda: store.write_count,
-                 lambda: reader.sample(1), lambda: len(reader), store.next_incarnation):
+                 lambda: reader.sample(1), lambda: len(reader), store.next_incarnation,
+                 lambda: setattr(reader, "beta", 0.5)):  # (the setter took it in silence: review)
         with pytest.raises(ClosedError, match="closed"):
             call()
     with ReplayReader(path) as again:

@@ -440,6 +440,7 @@ class ReplayReader(MappedStore):
         ``write_index``); updates aimed at rows overwritten since are ignored. Returns how many
         were applied."""
         self._check_open()
+        self.check_attached()  # into a removed storage's frozen tree, it "applied" updates nobody reads (review)
         return self._sampling.update_priorities(index, priority, write_index)
 
     def reset_max_priority(self, priority: float | None = None) -> float:
@@ -465,6 +466,7 @@ class ReplayReader(MappedStore):
 
     @beta.setter
     def beta(self, value: float) -> None:
+        self._check_open()  # as every other use of a closed reader (review: it was taken in silence)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not 0 <= value < math.inf:
             raise ValueError(f"beta must be a finite number >= 0, got {value!r}")
