@@ -29,6 +29,11 @@ def make_dir(directory, key: str) -> None:
                 else "is a file, not a directory")
         raise ConfigError(key, f"{directory} {what}; move it away or choose another {key}") from None
     except OSError as exc:
+        # mkdir(parents=True) that finds no parent to make it in (under /proc) is no passing state either: it
+        # was re-raised, a traceback and exit 1, which systemd restarts for ever (ops review)
+        if exc.errno == errno.ENOENT:
+            raise ConfigError(key, f"cannot create the directory {directory}: {exc.strerror}; the file system "
+                                   f"there makes no directories (e.g. /proc); choose another {key}") from None
         raise_unusable_path(key, exc, f"cannot create the directory {directory}")
 
 
