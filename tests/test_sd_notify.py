@@ -127,7 +127,7 @@ def test_status_line_counts_the_wanted_workers_and_says_how_many_failed():
     failed workers are named, so a READY with nothing written says why (user review)."""
     from types import SimpleNamespace
 
-    from ingestd.collect.stats import State
+    from ingestd.collect.stats import PauseReason, State
     from ingestd.service.daemon import Daemon
 
     class Storage:
@@ -136,8 +136,18 @@ def test_status_line_counts_the_wanted_workers_and_says_how_many_failed():
         def __len__(self):
             return 5000
 
-    def line(states, count):
-        fake = SimpleNamespace(layout=SimpleNamespace(stats=SimpleNamespace(state=states.__getitem__), storage=Storage()),
+    class Stats:
+        def __init__(self, states, reasons):
+            self.states, self.reasons = states, reasons or [PauseReason.NONE] * len(states)
+
+        def state(self, i):
+            return self.states[i]
+
+        def __getitem__(self, i):
+            return {"pause_reason": int(self.reasons[i])}
+
+    def line(states, count, reasons=None):
+        fake = SimpleNamespace(layout=SimpleNamespace(stats=Stats(states, reasons), storage=Storage()),
                                supervisor=SimpleNamespace(slots=dict.fromkeys(range(len(states))), count=count),
                                _first_write_count=1000)
         return Daemon.status_line(fake)
@@ -145,6 +155,11 @@ def test_status_line_counts_the_wanted_workers_and_says_how_many_failed():
     assert line([State.RUNNING, State.RUNNING], 1) == ("1/1 workers running, 4000 rows written since start, "
                                                        "replay 5000/10000 rows, write_count 5000")
     assert line([State.FAILED, State.RUNNING, State.FAILED], 3).startswith("1/3 workers running, 2 failed, 4000 rows")
+    # running but collecting nothing: it read "2/2 workers running" while nothing was written (ops review)
+    held = line([State.RUNNING, State.RUNNING, State.RUNNING, State.PAUSED], 4,
+                [PauseReason.LIMITER, PauseReason.PRIORITY_LOCK, PauseReason.NONE, PauseReason.REQUESTED])
+    assert held.startswith("1/4 workers running, 1 paused, 1 held back by the limiter, 1 waiting for a trainer's "
+                           "priority.lock, 4000 rows"), held
 
 
 # -- a real daemon ------------------------------------------------------------------------

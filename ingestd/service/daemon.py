@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import torch
 
 from ingestd.collect.inherited import daemon_only
-from ingestd.collect.stats import Desired, PauseReason, State
+from ingestd.collect.stats import WAITS, Desired, PauseReason, State
 from ingestd.errors import ConfigError
 from ingestd.service.config import toml_value, with_overrides
 from ingestd.service.instance import Claim, claim_instance
@@ -313,15 +313,24 @@ class Daemon:
         self.supervisor.set_desired(desired)
 
     def status_line(self) -> str:
+        """``STATUS=``: workers collecting out of those wanted, and why the others are not (a
+        running worker held back by the limiter or waiting for a trainer's priority.lock is not
+        collecting: it read "2/2 workers running" while nothing was written, ops review). The rows
+        this run wrote come from the storage's count, as the replay's do (the workers' frame
+        counters move a moment after each commit, so READY read "0 frames" next to a chunk's rows)."""
         stats, sup = self.layout.stats, self.supervisor
-        """``STATUS=``: the rows this run wrote come from the storage's count, as the replay's do (the
-        workers' frame counters move a moment after each commit, so READY read "0 frames" next to a
-        chunk's rows)."""
-        wanted = [stats.state(i) for i in sup.slots if i < sup.count]  # not those a scale down retires
-        running, failed = wanted.count(State.RUNNING), wanted.count(State.FAILED)
+        wanted = [i for i in sup.slots if i < sup.count]  # not those a scale down retires
+        states = [stats.state(i) for i in wanted]
+        waiting = [int(stats[i]["pause_reason"]) for i, state in zip(wanted, states) if state == State.RUNNING]
+        waiting = [reason for reason in waiting if reason in WAITS]
+        others = [(states.count(State.PAUSED), "paused"),
+                  (waiting.count(PauseReason.LIMITER), "held back by the limiter"),
+                  (waiting.count(PauseReason.PRIORITY_LOCK), "waiting for a trainer's priority.lock"),
+                  (states.count(State.FAILED), "failed")]
         storage = self.layout.storage
         written = storage.write_count
-        return (f"{running}/{sup.count} workers running{f', {failed} failed' if failed else ''}, "
+        return (f"{states.count(State.RUNNING) - len(waiting)}/{sup.count} workers running"
+                f"{''.join(f', {n} {why}' for n, why in others if n)}, "
                 f"{written - self._first_write_count} rows written since start, "
                 f"replay {len(storage)}/{storage.capacity} rows, write_count {written}")
 
