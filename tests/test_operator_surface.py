@@ -68,6 +68,9 @@ CASES = {
     "replay damaged": (['replay.path="{tmp}/replay"'], (), damaged_replay, "config key 'replay.path'",
                        "nothing there was changed"),
     "replay does not fit": (["replay.capacity=1000000"], (), None, "lower replay.capacity", "no room for a replay"),
+    # a plain file where the replay's directory goes: a mistake, which read as a planted-files warning (ops review)
+    "replay path is a file": (['replay.path="{tmp}/afile"'], (), lambda tmp: (tmp / "afile").write_text(""),
+                              "config key 'replay.path'", "is a file, not a directory"),
     # ENOENT from mkdir under /proc: a traceback and exit 1, restarted by systemd for ever (ops review)
     "data dir where no directory can be made": (['service.data_dir="/proc/self/ingestd"'], (), None,
                                                 "config key 'service.data_dir'", "makes no directories"),

@@ -52,8 +52,9 @@ def check_owned(directory, key: str) -> None:
     why = None
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
         why = f"is a symbolic link made by uid {link.st_uid}"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
+    elif not stat.S_ISDIR(st.st_mode):  # a mistake, not an intrusion (it read "another user could plant files")
+        raise ConfigError(key, f"{directory} is a file, not a directory; {key} names a directory (the daemon "
+                               f"makes it if it does not exist): move the file away or choose another {key}")
     elif st.st_uid not in (euid, 0):  # root's own dirs (tmpfiles.d, a mount point) are trusted
         why = f"is owned by uid {st.st_uid}, not by the daemon's uid {euid} (nor root)"
     elif st.st_mode & stat.S_IWOTH:

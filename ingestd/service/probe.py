@@ -56,8 +56,10 @@ def replay_room(config, paths, rows) -> str:
 
     replay, capacity = Path(paths.replay), config.replay.capacity
     try:
-        if (replay / "meta.json").exists():
-            return f"replay {replay} exists: reopened as it is"
+        if (replay / "meta.json").exists():  # (its capacity and schema are checked as it is opened)
+            return f"replay {replay} exists: reopening it"
+        if replay.exists() and not replay.is_dir():
+            return f"replay {replay}: not a directory"  # refused next, naming replay.path
     except OSError as exc:  # a replay dir of the daemon's group, checked by someone outside it
         return f"replay {replay}: cannot look there ({exc.strerror})"
     need = storage_bytes(schema_of(rows), capacity)
