@@ -207,6 +207,24 @@ def test_decode_checks_expected_manifest(state, messages):
         assert message in str(info.value)
 
 
+def test_a_bare_network_pushed_to_the_mlp_policy_is_told_what_to_push():
+    """A trainer's own nn.Sequential for the built-in MLP policy was refused with 'missing
+    epsilon, net.0.weight...; unexpected 0.weight...' and no hint (trainer review)."""
+    from ingestd.collect.policies import mlp_qnet
+
+    policy = manifest_of(mlp_qnet(4, 2, (64, 64)).state_dict())
+    layers = [torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)]
+    with pytest.raises(BadWeights) as info:
+        decode(encode(torch.nn.Sequential(*layers).state_dict()), expected=policy)
+    assert "without 'net.' in front" in str(info.value) and "mlp_qnet(" in str(info.value), str(info.value)
+    assert "'epsilon' is the built-in MLP's exploration rate" in str(info.value)
+    no_epsilon = {k: v for k, v in mlp_qnet(4, 2, (64, 64)).state_dict().items() if k != "epsilon"}
+    with pytest.raises(BadWeights) as info:
+        decode(encode(no_epsilon), expected=policy)
+    assert "missing 'epsilon'" in str(info.value) and "exploration rate" in str(info.value)
+    assert "in front" not in str(info.value)  # nothing was unexpected: no prefix to speak of
+
+
 def test_size_mismatch_with_policy_is_reported_as_a_mismatch_not_a_cap():
     state = {**GOOD, "c": torch.tensor(1), "w": torch.zeros(20, 30)}
     with pytest.raises(BadWeights, match="'w' is float32\\[20, 30\\], expected float32\\[2, 3\\]"):

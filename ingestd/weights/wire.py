@@ -191,6 +191,14 @@ class Manifest:
             problems.append(f"the pushed names are the policy's with {prefix!r} in front: push the unwrapped "
                             f"module's state_dict (model.module for DistributedDataParallel, model._orig_mod for "
                             f"torch.compile), or strip the prefix")
+        inner = _inner_prefix(list(mine), list(theirs)) if missing and unexpected else None
+        if inner:  # the trainer's own network, not the policy module around it (review: a bare Sequential)
+            problems.append(f"the pushed names are the policy's without {inner!r} in front (a network of its own, "
+                            "not the policy module): push a module with the policy's names (for the built-in MLP, "
+                            "ingestd.collect.policies.mlp_qnet(obs_dim, num_actions, hidden)), or add the prefix")
+        if "epsilon" in missing:
+            problems.append("'epsilon' is the built-in MLP's exploration rate (a 0-dim float32 buffer): "
+                            "mlp_qnet(...) has it, or add it to the state dict")
         return problems
 
     def check(self, other: Manifest) -> None:
@@ -208,6 +216,16 @@ def _common_prefix(mine: list[str], theirs: list[str]) -> str | None:
     pushed, first = set(theirs), mine[0]
     candidates = sorted({name[:-len(first)] for name in theirs if name.endswith("." + first)}, key=len)
     return next((p for p in candidates if {p + name for name in mine} == pushed), None)
+
+
+def _inner_prefix(mine: list[str], theirs: list[str]) -> str | None:
+    """The dotted prefix of the policy's names (``"net."``) that, put in front of every pushed
+    name, gives a policy name: the pushed state dict is the network inside the policy."""
+    if not theirs:
+        return None
+    first, policy = theirs[0], set(mine)
+    candidates = sorted({name[:-len(first)] for name in mine if name.endswith("." + first)}, key=len)
+    return next((p for p in candidates if all(p + name in policy for name in theirs)), None)
 
 
 def _entry_from_json(index: int, obj: Any, max_bytes: int | None) -> Entry:
