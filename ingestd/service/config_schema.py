@@ -208,7 +208,8 @@ class LimiterConfig:
     enabled: bool = setting(False, "Hold workers back when they are too far ahead of the trainers, and "
                                    "trainers when they are too far ahead of the workers.", Bool(), live=True)
     min_size: int = setting(1000, "Trainers wait until the replay holds this many rows; workers are never "
-                                  "held back before it.", Int(0, 2**62), live=True)
+                                  "held back before it. Enabled, it must not exceed a workers.total_frames budget "
+                                  "(the rows would never come).", Int(0, 2**62), live=True)
     samples_per_insert: float = setting(1.0, "Target ratio of rows sampled to rows inserted.",
                                         Float(0.0, "samples per insert"), live=True)
     min_diff: float = setting(-100000.0, "Trainers wait while the error is below this.", Number(), live=True)
