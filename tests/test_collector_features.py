@@ -467,7 +467,7 @@ def test_stopping_the_profiler_and_writing_the_trace_run_under_a_heartbeat_lease
 
         profiler = Profiler()
         requests._profiler, requests._path, requests._seq = profiler, str(tmp_path / "t.json"), 1
-        requests._seconds = 3.0
+        requests._seconds, requests._started = 3.0, time.monotonic()
         requests.finish()
         for lease in (profiler.lease_at_stop, profiler.lease_at_export):
             assert write_allowance(3.0) - 1.0 < lease <= write_allowance(3.0)
@@ -478,23 +478,30 @@ def test_stopping_the_profiler_and_writing_the_trace_run_under_a_heartbeat_lease
         stats.close()
 
 
-def test_a_profile_whose_worker_died_is_answered_as_failed_by_its_replacement(tmp_path):
+def test_a_profile_whose_worker_died_is_answered_as_failed_and_a_starting_worker_takes_its_own(tmp_path):
     """The replacement of a worker killed while it recorded marked the request done, and the
-    daemon answered with the path of a trace never written (review: ingestctl exited 0)."""
+    daemon answered with the path of a trace never written (review: ingestctl exited 0). The
+    supervisor now answers a dead worker's pending request as failed as it starts the next
+    process; a request sent while that process starts (pid set, env still building) is the new
+    worker's own, and it records it (answering it as a dead one's was the first fix's bug)."""
     from ingestd.collect import profiling
 
     stats = StatsBlock(tmp_path / "workers.stats", create=True)
     try:
         rec = stats[0]
-        profiling.ProfileRequests(rec, 0, lambda: None)  # the worker that dies
-        seq = profiling.request(rec, tmp_path / "trace.json", 1.0)
-        profiling.ProfileRequests(rec, 0, lambda: None)  # its replacement, before the daemon looks
+        seq = profiling.request(rec, tmp_path / "lost.json", 1.0)  # the worker recording it dies
+        profiling.fail_pending(rec)  # Supervisor._start, before the new process exists
         ok, text = profiling.outcome(rec, seq)
-        assert not ok and "died before it wrote the trace" in text
-        replacement = profiling.ProfileRequests(rec, 0, lambda: None)  # answered: nothing pending any more
-        replacement.poll()
-        assert not replacement.active and profiling.outcome(rec, seq) == (ok, text)
-        assert profiling.outcome(rec, profiling.request(rec, tmp_path / "next.json", 1.0)) is None  # a new one
+        assert not ok and "ended before it wrote the trace" in text
+        profiling.fail_pending(rec)  # answered: nothing pending any more
+        assert profiling.outcome(rec, seq) == (ok, text)
+        mine = profiling.request(rec, tmp_path / "mine.json", 0.1)  # sent while the new worker starts
+        requests = profiling.ProfileRequests(rec, 0, lambda: None)
+        requests.poll()
+        assert requests.active and profiling.outcome(rec, mine) is None
+        requests.finish()
+        assert profiling.outcome(rec, mine) == (True, str(tmp_path / "mine.json"))
+        assert (tmp_path / "mine.json").stat().st_size > 0
     finally:
         stats.close()
 

@@ -223,14 +223,25 @@ def test_events_of_a_tcp_daemon_whose_events_socket_is_left_ipc(keys):
                 assert stream.address == f"ipc://{d.runtime_dir}/events.sock"
                 assert _paused_event(c, stream).topic == "paused"
 
-            class Elsewhere:  # the same daemon, as a client on another host sees it: no such socket here
+            class Elsewhere:  # the same daemon as a client on another host sees it
                 address, curve_keys = c.address, c.curve_keys
 
-                def ping(self):
-                    return {**c.ping(), "events_address": "ipc:///nonexistent-ingestd/run/events.sock"}
+                def __init__(self, **pong):
+                    self.pong = pong
 
-            with pytest.raises(DaemonUnavailable, match=r"control\.events_address = \"tcp://HOST:PORT\""):
-                EventStream.of(Elsewhere())
+                def ping(self):
+                    return {**c.ping(), **self.pong}
+
+            # another host whose own daemon has a socket at that very path (the default /run/ingestd/events.sock
+            # of a host running ingestd itself): it would follow that daemon's events (review); and an older
+            # daemon, which does not say its host, with no socket at that path here
+            for other in (Elsewhere(host="another-host/0"),
+                          Elsewhere(host="", events_address="ipc:///nonexistent-ingestd/run/events.sock")):
+                with pytest.raises(DaemonUnavailable, match=r"control\.events_address = \"tcp://HOST:PORT\""):
+                    EventStream.of(other)
+            code = cli.main(["--connect", c.address, "--server-key", str(made["server"][0]), "--client-key",
+                             str(made["trainer"][1]), "events", "--duration", "0.1"])
+            assert code == 0  # ingestctl events resolves the address the same way: here, the local socket
         line = next(line for line in d.log().splitlines() if "ingestd.control: control: " in line)
         assert f"{d.control_address} (CURVE), events: ipc://{d.runtime_dir}/events.sock;" in line, line
         assert "None" not in line, line

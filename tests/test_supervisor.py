@@ -215,9 +215,13 @@ def test_each_death_is_reported_with_its_own_reason_not_an_earlier_ones(tmp_path
         forks.made[-1]._popen.wait()
         supervisor.tick()
         assert stats.error(0).startswith("killed by SIGKILL"), stats.error(0)
+        from ingestd.collect import profiling
+
+        lost = profiling.request(stats[0], tmp_path / "lost.json", 1.0)  # one the dead worker never wrote
         for _ in range(2):  # crashes of its own, each with the reason of its own end (the budget: 3 deaths)
             now[0] += 60.0
             supervisor.tick()  # restarted
+            assert profiling.outcome(stats[0], lost)[0] is False  # answered as failed as the next one started
             stats[0]["heartbeat"] = now[0]
             forks.made[-1].stop()  # SIGSEGV
             supervisor.tick()

@@ -223,6 +223,14 @@ def test_a_bare_network_pushed_to_the_mlp_policy_is_told_what_to_push():
         decode(encode(no_epsilon), expected=policy)
     assert "missing 'epsilon'" in str(info.value) and "exploration rate" in str(info.value)
     assert "in front" not in str(info.value)  # nothing was unexpected: no prefix to speak of
+    with_epsilon = {"epsilon": torch.tensor(0.1), **torch.nn.Sequential(*layers).state_dict()}  # review
+    with pytest.raises(BadWeights) as info:
+        decode(encode(with_epsilon), expected=policy)
+    assert "without 'net.' in front" in str(info.value) and "exploration rate" not in str(info.value)
+    wrapped = {f"module.{k}": v for k, v in mlp_qnet(4, 2, (64, 64)).state_dict().items()}  # DDP: epsilon is there
+    with pytest.raises(BadWeights) as info:
+        decode(encode(wrapped), expected=policy)
+    assert "with 'module.' in front" in str(info.value) and "exploration rate" not in str(info.value)
 
 
 def test_size_mismatch_with_policy_is_reported_as_a_mismatch_not_a_cap():

@@ -43,10 +43,9 @@ class ProfileRequests:
         self._until = self._seconds = 0.0
         self._seq = 0
         self._path = ""
-        pending = int(rec["profile_seq"])
-        if pending != abs(int(rec["profile_done"])):  # left by a predecessor that died recording it: failed
-            self._seq = pending  # (marked done, the daemon answered with the path of a trace never written)
-            self._fail("the worker's process died before it wrote the trace (restarted since); ask again")
+        self._started = 0.0
+        # a request pending now is this worker's own: one left by a dead predecessor was answered
+        # as failed when the supervisor started this process (fail_pending)
 
     @property
     def active(self) -> bool:
@@ -82,7 +81,8 @@ class ProfileRequests:
             self._fail(f"could not start the profiler: {exc}")
             return
         self._profiler = profiler
-        self._until = time.monotonic() + seconds
+        self._started = time.monotonic()
+        self._until = self._started + seconds
         log.info("worker %d: profiling for %.1f s into %s", self.worker, seconds, path)
 
     def finish(self) -> None:
@@ -94,7 +94,8 @@ class ProfileRequests:
             # torch's stop() and export hold the GIL for seconds, so no thread can beat (a keepalive
             # thread did not get to run): the heartbeat word is set ahead instead, a lease the
             # supervisor honours as a recent beat
-            self.rec["heartbeat"] = time.monotonic() + write_allowance(self._seconds)
+            recorded = max(self._seconds, time.monotonic() - self._started)  # a long chunk records past S
+            self.rec["heartbeat"] = time.monotonic() + write_allowance(recorded)
             profiler.stop()
             tmp = f"{self._path}.tmp{os.getpid()}"
             profiler.export_chrome_trace(tmp)
@@ -109,8 +110,23 @@ class ProfileRequests:
 
     def _fail(self, message: str) -> None:
         log.warning("worker %d: profile %d failed: %s", self.worker, self._seq, message)
-        self.rec["profile_path"] = f"error: {message}".encode("utf-8", "replace")[:PATH_BYTES]
-        self.rec["profile_done"] = -self._seq
+        answer_failed(self.rec, self._seq, message)
+
+
+def answer_failed(rec, seq: int, message: str) -> None:
+    """Answer request ``seq`` as failed: ``error: message`` in the path word, ``-seq`` done."""
+    rec["profile_path"] = f"error: {message}".encode("utf-8", "replace")[:PATH_BYTES]
+    rec["profile_done"] = -seq
+
+
+def fail_pending(rec) -> None:
+    """The supervisor's side, as it starts a worker process: a request still pending was its dead
+    predecessor's, which will never write the trace. Answered as failed here, before the new
+    process exists: the new worker marked it done (the daemon answered with the path of a trace
+    never written), and a new worker cannot tell an old request from one sent while it starts."""
+    seq = int(rec["profile_seq"])
+    if seq != abs(int(rec["profile_done"])):
+        answer_failed(rec, seq, "the worker's process ended before it wrote the trace (restarted since); ask again")
 
 
 def request(rec, path: str | os.PathLike, seconds: float) -> int:

@@ -390,16 +390,15 @@ def _reload(client, args, out: Output) -> int:
 
 
 def _events(client, args, out: Output) -> int:
-    from ingestd.control.client import EventStream, check_address, events_address
+    from ingestd.control.client import EventStream, check_address
 
     if args.events:
         try:
             address = check_address(args.events)
         except ValueError as exc:
             raise UsageError(f"ingestctl: --events: {exc}") from None
-    else:
-        pong = client.ping()
-        address = events_address(pong["events_address"], client.address, pong.get("events_local"))
+    else:  # (as EventStream.of: refused if the events are only on another host's ipc socket)
+        address = EventStream.address_of(client)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     seen = 0
     with EventStream(address, tuple(args.topic) or ("",), curve_keys=client.curve_keys) as stream:

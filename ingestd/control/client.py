@@ -43,7 +43,7 @@ from ingestd.control.addresses import (  # noqa: F401  (check_address and the re
 )
 from ingestd.control.commands import (
     MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights,
-    Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
+    Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status, host_identity,
 )
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
@@ -447,16 +447,28 @@ class EventStream:
     @classmethod
     def of(cls, client: ControlClient, topics: tuple[str, ...] = ("",)) -> EventStream:
         """The event stream of the daemon ``client`` talks to (asks it for the address)."""
+        return cls(cls.address_of(client), topics, curve_keys=client.curve_keys)
+
+    @staticmethod
+    def address_of(client: ControlClient) -> str:
+        """Where the daemon ``client`` talks to publishes its events, as this host reaches them;
+        ``DaemonUnavailable`` if only by an ipc socket of another host (a daemon reached over
+        tcp with control.events_address unset): that path here is no socket of it, or another
+        daemon's (the default /run/ingestd/events.sock of this host's own)."""
         pong = client.ping()
         address = events_address(pong["events_address"], client.address, pong.get("events_local"))
         path = socket_file(address)
-        if path is not None and not _may_exist(path):  # an ipc socket of the daemon's host, not of this one
+        if path is None:
+            return address
+        host = pong.get("host") or ""
+        elsewhere = host != host_identity() if host else not _may_exist(path)  # (an older daemon: no host)
+        if elsewhere:
             raise DaemonUnavailable(
-                f"the daemon at {client.address} publishes its events only at {address}, a socket on its own host "
-                "that is not here (control.events_address is unset, so the events socket is ipc); set "
+                f"the daemon at {client.address} publishes its events only at {address}, a socket on its own host, "
+                "not this one (control.events_address is unset, so the events socket is ipc); set "
                 "control.events_address = \"tcp://HOST:PORT\" in the daemon's config to follow them over tcp "
                 "(CURVE keys as for control.address), or run this on the daemon's host")
-        return cls(address, topics, curve_keys=client.curve_keys)
+        return address
 
     def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after ``timeout`` seconds (None: wait for ever)."""

@@ -335,6 +335,20 @@ class Pong(Result):
     # (or not serving yet); "": not reported, by a daemon older than this field
     max_message_bytes: int | str = ""  # control.max_message_bytes: the largest request taken ("": not reported)
     events_local: str | None = None  # the local ipc event socket beside a tcp:// events_address (no CURVE)
+    host: str = ""  # host_identity() of the daemon's host: its ipc sockets are not another host's ("": not reported)
+
+
+def host_identity() -> str:
+    """This host as its ipc sockets know it: the host name and the kernel's boot id (two
+    machines, or two containers with host names of their own, differ)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
-from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
+from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted, host_identity
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
 from ingestd.errors import BadWeights, ConfigError, CorruptStorage, LockBusy, SnapshotExists
@@ -35,7 +35,7 @@ log = logging.getLogger("ingestd.control")
 def ping(ctx: Context, request: Ping) -> dict:
     return Pong(True, os.getpid(), __version__, PROTOCOL_VERSION, ctx.events_address, time.time(),
                 ctx.metrics_url(), ctx.daemon.config.control.max_message_bytes,  # control: not reloadable
-                ctx.events_local).to_json()
+                ctx.events_local, host_identity()).to_json()
 
 
 def _workers_status(ctx: Context, indices: list[int], now: float) -> list[WorkerStatus]:
@@ -365,8 +365,10 @@ def profile(ctx: Context, request: Profile) -> dict:
             log.info("removed the old profile trace %s (the newest %d are kept)", old, profiling.KEEP_TRACES)
         pid = int(rec["pid"])
         seq = profiling.request(rec, path, request.seconds)
-        done, _ = ctx.wait({index: pid}, lambda i, p, r: True if profiling.outcome(r, seq) else None, deadline,
-                           "write the profile")
+        # answered, else dropped once the slot holds another pid (or none): a dead worker's request is
+        # answered by nobody when the slot is marked failed instead of restarted (it waited to the deadline)
+        done, _ = ctx.wait({index: pid}, lambda i, p, r: True if profiling.outcome(r, seq) else
+                           (False if int(r["pid"]) != p else None), deadline, "write the profile")
     finally:
         ctx.profile_lock.release()
     answer = profiling.outcome(rec, seq) if done else None

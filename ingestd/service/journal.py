@@ -4,8 +4,9 @@ systemd connects a service's stderr to the journal and says so in ``$JOURNAL_STR
 (``device:inode`` of that stream). A line beginning ``<N>`` (sd-daemon(3)) is stored with
 priority N, so ``journalctl -u ingestd -p warning`` finds the daemon's warnings and errors;
 without the prefix every line was stored as info. Each line of a multi-line message (a TOML
-error's caret, a hung worker's stacks) carries the prefix, as each becomes an entry of its
-own. Elsewhere (a terminal, a file, a test) lines are left as they are.
+error's caret) carries the prefix, as each becomes an entry of its own. What is written
+past logging (faulthandler's stacks of a hung worker, a crashed worker's printed traceback)
+is not prefixed. Elsewhere (a terminal, a file, a test) lines are left as they are.
 """
 from __future__ import annotations
 

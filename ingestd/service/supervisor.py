@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ingestd.collect import profiling
 from ingestd.collect.stats import MAX_WORKERS, Desired, State, StatsBlock
 from ingestd.collect.worker import WorkerSpec, worker_main
 from ingestd.service.forking import ForkContext
@@ -199,6 +200,7 @@ class Supervisor:
     def _start(self, index: int, slot: Slot) -> None:
         slot.start_at, slot.hung, slot.failed_at, slot.kill_at, slot.collecting_since = None, False, None, None, None
         self.stats.reset(index)
+        profiling.fail_pending(self.stats[index])  # a profile the dead predecessor never wrote
         slot.error_mark = (float(self.stats[index]["error_at"]), bytes(self.stats[index]["error"]))
         self.stats[index]["desired"] = self.desired
         self.stats[index]["state"] = State.STARTING

@@ -191,12 +191,12 @@ class Manifest:
             problems.append(f"the pushed names are the policy's with {prefix!r} in front: push the unwrapped "
                             f"module's state_dict (model.module for DistributedDataParallel, model._orig_mod for "
                             f"torch.compile), or strip the prefix")
-        inner = _inner_prefix(list(mine), list(theirs)) if missing and unexpected else None
+        inner = _inner_prefix(list(mine), unexpected) if missing and unexpected else None
         if inner:  # the trainer's own network, not the policy module around it (review: a bare Sequential)
             problems.append(f"the pushed names are the policy's without {inner!r} in front (a network of its own, "
                             "not the policy module): push a module with the policy's names (for the built-in MLP, "
                             "ingestd.collect.policies.mlp_qnet(obs_dim, num_actions, hidden)), or add the prefix")
-        if "epsilon" in missing:
+        if "epsilon" in missing and not prefix and not any(n.endswith(".epsilon") for n in unexpected):
             problems.append("'epsilon' is the built-in MLP's exploration rate (a 0-dim float32 buffer): "
                             "mlp_qnet(...) has it, or add it to the state dict")
         return problems
@@ -220,7 +220,8 @@ def _common_prefix(mine: list[str], theirs: list[str]) -> str | None:
 
 def _inner_prefix(mine: list[str], theirs: list[str]) -> str | None:
     """The dotted prefix of the policy's names (``"net."``) that, put in front of every pushed
-    name, gives a policy name: the pushed state dict is the network inside the policy."""
+    name the policy does not have (``theirs``), gives a policy name: those are the network
+    inside the policy (a right top-level name such as ``epsilon`` may be pushed beside them)."""
     if not theirs:
         return None
     first, policy = theirs[0], set(mine)
