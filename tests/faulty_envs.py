@@ -56,6 +56,31 @@ class WrongShape(_Wrapped):
         transition.set(("next", "observation"), torch.cat([obs, obs], dim=-1))
 
 
+class Dropping(_Wrapped):
+    """Transitions without ``("next", key)``: stored without it until the probe refused it."""
+
+    def __init__(self, ctx, key: str = "observation", **kw):
+        super().__init__(ctx, **kw)
+        self.key = key
+
+    def fault(self, transition):
+        transition.get("next").del_(self.key)
+
+
+class WideRoot(_Wrapped):
+    """A root after a step of another shape than the reset's: the policy fails on it in every
+    worker (a crash loop to failed) until the probe refused it."""
+
+    def step_and_maybe_reset(self, td):
+        transition, root = super().step_and_maybe_reset(td)
+        obs = root.get("observation")
+        root.set("observation", torch.cat([obs, obs], dim=-1))
+        return transition, root
+
+    def fault(self, transition):
+        pass
+
+
 class NaNReward(_Wrapped):
     def fault(self, transition):
         reward = transition.get(("next", "reward"))
@@ -131,6 +156,14 @@ def raising(ctx, **kw):
 
 def wrong_shape(ctx, **kw):
     return WrongShape(ctx, **kw)
+
+
+def dropping(ctx, **kw):
+    return Dropping(ctx, **kw)
+
+
+def wide_root(ctx, **kw):
+    return WideRoot(ctx, **kw)
 
 
 def nan_reward(ctx, **kw):

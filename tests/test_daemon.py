@@ -561,6 +561,12 @@ PROBE_FAILURES = {
     "spec observation": (['workers.env="faulty_envs:lying_spec"', "workers.env_kwargs={shape=[3]}"],
                          "workers.policy", "(env faulty_envs:lying_spec returns float32[4] in 'observation', its "
                          "spec says float32[3]: make EnvSpec.observation_shape/dtype what the env returns)"),
+    # transitions without TorchRL's next keys were stored without them, and a step's root the policy cannot
+    # take crash-looped every worker to failed, the config accepted (custom-env review)
+    **{f"no next {key}": (['workers.env="faulty_envs:dropping"', f'workers.env_kwargs={{key="{key}"}}'],
+                          "workers.env", f"have no ('next', '{key}')") for key in ("observation", "terminated")},
+    "step observation": (['workers.env="faulty_envs:wide_root"', 'workers.env_kwargs={inner="CartPole"}'],
+                         "workers.env", "failed on the observation env faulty_envs:wide_root's step returned"),
     "gym make kwarg": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", gg=3.0}'], "workers.env_kwargs",
                        "unexpected keyword argument 'gg'"),
     "unknown gym id": (['workers.env="Gym"', 'workers.env_kwargs={id="NoSuchEnv-v0"}'], "workers.env_kwargs",
@@ -598,7 +604,7 @@ STARTUP_FAILURES = {
 }
 
 
-FAILED_FIRST_STEP = {"policy raise", "env step", "env constructor raises", "spec observation"}
+FAILED_FIRST_STEP = {"policy raise", "env step", "env constructor raises", "spec observation", "step observation"}
 
 
 @pytest.fixture(scope="module")

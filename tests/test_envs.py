@@ -413,3 +413,33 @@ def test_pixels_is_atari_shaped_and_ends_both_ways():
 def test_bad_env_kwargs_are_rejected(factory, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         factory(ctx(), **kwargs)
+
+
+def test_a_torch_env_returning_int_flags_stores_bool_ones_and_resets():
+    """A TorchEnv subclass returning int32 terminated/truncated: the auto-reset's mask failed
+    at the first episode end (torch.where wants bool; custom-env review). The base stores the
+    layout's bool flags and resets the finished sub-envs."""
+    from ingestd.collect.envs.base import TorchEnv
+    from ingestd.collect.interfaces import EnvSpec
+
+    class Counting(TorchEnv):
+        def __init__(self, ctx):
+            super().__init__(ctx, EnvSpec((1,), torch.float32, (), torch.int64, 2))
+            self.t = torch.zeros(ctx.num_envs)
+
+        def _reset(self, mask):
+            self.t = torch.where(mask, 0.0, self.t) if mask is not None else torch.zeros_like(self.t)
+            return self.t[:, None].clone()
+
+        def _step(self, action):
+            self.t = self.t + 1
+            ended = (self.t >= 2).to(torch.int32)
+            return self.t[:, None].clone(), torch.ones(self.num_envs), ended, torch.zeros_like(ended), {}
+
+    env = Counting(ctx(num_envs=3))
+    root = env.reset()
+    for _ in range(4):
+        transition, root = env.step_and_maybe_reset(root.set("action", torch.zeros(3, dtype=torch.int64)))
+        for key in ("done", "terminated", "truncated"):
+            assert transition.get(("next", key)).dtype == torch.bool
+    assert transition.get(("next", "terminated")).all() and (root.get("observation") == 0).all()

@@ -146,6 +146,7 @@ def _example_rows(spec: WorkerSpec, seed: int):
         rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
                            lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
         _check_layout(spec, env, rows)
+        _check_next(spec, rows, rollout)
     finally:
         env.close()
     if spec.n_step > 1:  # n-step rows carry steps_to_next_obs (ingestd.collect.nstep)
@@ -254,6 +255,26 @@ def _check_layout(spec: WorkerSpec, env, rows) -> None:
                     "stored as they come, but a loss computing reward + gamma * (1 - done) * value with [B, 1] "
                     "values broadcasts them to [B, B]", spec.env, [".".join(k) for k in flat],
                     [list(rows.get(k).shape[1:]) for k in flat])
+
+
+def _check_next(spec: WorkerSpec, rows, rollout) -> None:
+    """What the rows must hold and what the policy must take after a step (custom-env review):
+    a transition without ``("next", "observation")`` (of an env with an ``observation``), or
+    without ``("next", "terminated")`` / ``("next", "truncated")``, was stored without them;
+    and the policy acting on the first step's root (an env whose step returns observations of
+    another shape or dtype than its reset) crash-looped every worker to failed, the config
+    accepted. Both are errors naming workers.env here."""
+    missing = [key for key in (("next", "terminated"), ("next", "truncated")) if key not in rows.keys(True)]
+    if "observation" in rows.keys() and ("next", "observation") not in rows.keys(True):
+        missing.insert(0, ("next", "observation"))
+    if missing:
+        raise ConfigError("workers.env", f"env {spec.env}'s transitions have no {', '.join(map(str, missing))}: "
+                                         "TorchRL's layout stores the next observation and gymnasium's terminated "
+                                         "and truncated flags of every step; set them in the step's 'next' "
+                                         "TensorDict (ingestd.collect.envs.base.TorchEnv does)")
+    _guarded("workers.env", f"policy {spec.policy} failed on the observation env {spec.env}'s step returned "
+             "(its reset's worked: does the step return another shape or dtype?)",
+             lambda: rollout.policy(rollout.root.clone()), doing=f"policy {spec.policy} after env {spec.env}'s step")
 
 
 def observation_note(name: str, env_spec, td) -> str:

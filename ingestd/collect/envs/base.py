@@ -27,6 +27,12 @@ from ingestd.collect.interfaces import EnvContext, EnvSpec
 StepResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
+def _as_flag(flag: torch.Tensor) -> torch.Tensor:
+    """A subclass's terminated/truncated as the layout's bool (an int32 flag made the auto-reset's
+    ``torch.where`` fail at the first episode end: custom-env review); nonzero is True."""
+    return flag if flag.dtype == torch.bool else flag != 0
+
+
 def _tensordict(source: dict, batch_size: torch.Size) -> TensorDict:
     """A TensorDict over tensors we built with the right batch size ourselves.
     ``_new_unsafe`` skips the per-key checks, which cost as much as a CartPole
@@ -100,6 +106,7 @@ class TorchEnv(ABC):
     def _transition(self, td: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Tensor]:
         """``td`` with ``"next"`` set, plus ``done [B]`` and the next observation."""
         obs, reward, terminated, truncated, extras = self._step(td.get("action"))
+        terminated, truncated = _as_flag(terminated), _as_flag(truncated)  # int flags: the reset mask needs bool
         done = terminated | truncated
         shape = self._flag_shape
         nxt = {
