@@ -37,7 +37,8 @@ class ProfileRequests:
     """The worker's side: polled once per loop iteration."""
 
     def __init__(self, rec, worker: int, beat: Callable[[], None]):
-        """``beat``: the worker's heartbeat, kept going while a trace is written."""
+        """``beat``: the worker's heartbeat, called once a trace is written (the write itself runs
+        under a lease: ``finish``)."""
         self.rec, self.worker, self._beat = rec, worker, beat
         self._profiler = None
         self._until = self._seconds = 0.0

@@ -3,8 +3,10 @@ default socket), checked before any connect, and the event and metrics addresses
 and ``status`` advertise, as a client reaches them (a wildcard bind at the control host)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
+import socket
 from typing import Mapping
 
 
@@ -48,6 +50,54 @@ def events_address(advertised: str, control_address: str, local: str | None = No
     if match is None or match["host"] not in _WILDCARD_HOSTS:
         return advertised
     return f"tcp://{_control_host(control_address)}:{match['port']}"
+
+
+def followable_events_address(pong: Mapping, control_address: str) -> str:
+    """The events address of a ``ping`` reply (``pong``) as this host reaches it;
+    ``DaemonUnavailable`` if only by an ipc socket of another host (a daemon reached over tcp
+    with control.events_address unset): that path here is no socket of it, or another daemon's
+    (the default /run/ingestd/events.sock of this host's own)."""
+    from ingestd.control.protocol import socket_file
+    from ingestd.errors import DaemonUnavailable
+
+    address = events_address(pong["events_address"], control_address, pong.get("events_local"))
+    path = socket_file(address)
+    if path is None:
+        return address
+    host = pong.get("host") or ""
+    elsewhere = host != host_identity() if host else not may_exist(path)  # (an older daemon: no host)
+    if elsewhere:
+        raise DaemonUnavailable(
+            f"the daemon at {control_address} publishes its events only at {address}, a socket on its own host, "
+            "not this one (control.events_address is unset, so the events socket is ipc); set "
+            "control.events_address = \"tcp://HOST:PORT\" in the daemon's config to follow them over tcp "
+            "(CURVE keys as for control.address), or run this on the daemon's host")
+    return address
+
+
+@functools.cache
+def host_identity() -> str:
+    """This host as its ipc sockets know it: the host name and the kernel's boot id (two
+    machines, or two containers with host names of their own, differ). Read once a process:
+    ``ping`` reports it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def may_exist(path: str) -> bool:
+    """False only if ``path`` is known not to exist (a directory this user cannot enter says
+    nothing: the daemon may well be there, and the reply's silence explains the access)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:  # EACCES on a directory: unknown
+        pass
+    return True
 
 
 def metrics_url(advertised: str | None, control_address: str) -> str | None:

@@ -39,11 +39,12 @@ import zmq
 
 from ingestd.control import curve
 from ingestd.control.addresses import (  # noqa: F401  (check_address and the rest: imported from here too)
-    check_address, default_address, events_address, metrics_url,
+    check_address, default_address, events_address, followable_events_address, metrics_url,
 )
+from ingestd.control.addresses import may_exist as _may_exist
 from ingestd.control.commands import (
     MAX_WAIT_S, SNAPSHOT_WAIT_S, Acked, GetConfig, GetStatus, Pause, Ping, Profile, Profiled, Pushed, PushWeights,
-    Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status, host_identity,
+    Reload, Reloaded, Request, Restart, Resume, Scale, Snapshot, Snapshotted, Status,
 )
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
@@ -405,18 +406,6 @@ class ControlClient:
         return f"ControlClient({self.address!r}, timeout={self.timeout})"
 
 
-def _may_exist(path: str) -> bool:
-    """False only if ``path`` is known not to exist (a directory this user cannot enter says
-    nothing: the daemon may well be there, and the reply's silence explains the access)."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return False
-    except OSError:  # EACCES on a directory: unknown
-        pass
-    return True
-
-
 _RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
@@ -451,24 +440,9 @@ class EventStream:
 
     @staticmethod
     def address_of(client: ControlClient) -> str:
-        """Where the daemon ``client`` talks to publishes its events, as this host reaches them;
-        ``DaemonUnavailable`` if only by an ipc socket of another host (a daemon reached over
-        tcp with control.events_address unset): that path here is no socket of it, or another
-        daemon's (the default /run/ingestd/events.sock of this host's own)."""
-        pong = client.ping()
-        address = events_address(pong["events_address"], client.address, pong.get("events_local"))
-        path = socket_file(address)
-        if path is None:
-            return address
-        host = pong.get("host") or ""
-        elsewhere = host != host_identity() if host else not _may_exist(path)  # (an older daemon: no host)
-        if elsewhere:
-            raise DaemonUnavailable(
-                f"the daemon at {client.address} publishes its events only at {address}, a socket on its own host, "
-                "not this one (control.events_address is unset, so the events socket is ipc); set "
-                "control.events_address = \"tcp://HOST:PORT\" in the daemon's config to follow them over tcp "
-                "(CURVE keys as for control.address), or run this on the daemon's host")
-        return address
+        """Where the daemon ``client`` talks to publishes its events, as this host reaches them
+        (``addresses.followable_events_address``: refused if only on another host's ipc socket)."""
+        return followable_events_address(client.ping(), client.address)
 
     def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after ``timeout`` seconds (None: wait for ever)."""

@@ -338,19 +338,6 @@ class Pong(Result):
     host: str = ""  # host_identity() of the daemon's host: its ipc sockets are not another host's ("": not reported)
 
 
-def host_identity() -> str:
-    """This host as its ipc sockets know it: the host name and the kernel's boot id (two
-    machines, or two containers with host names of their own, differ)."""
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 @dataclass(frozen=True)
 class WorkerStatus(Result):
     index: int

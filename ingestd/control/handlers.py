@@ -22,7 +22,8 @@ from ingestd.control.commands import (
     Acked, GetConfig, GetStatus, Pause, Ping, Pong, Profile, Profiled, Pushed, PushWeights, Reload, Reloaded,
     ReplayStatus, Request, Restart, Resume, Scale, Status, WorkerStatus,
 )
-from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted, host_identity
+from ingestd.control.addresses import host_identity
+from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
 from ingestd.errors import BadWeights, ConfigError, CorruptStorage, LockBusy, SnapshotExists

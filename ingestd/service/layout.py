@@ -115,11 +115,14 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
         raise ConfigError("replay.capacity", f"{exc} (nothing there was changed)") from None
     except SchemaMismatch as exc:
         from ingestd.collect.nstep import STEPS_KEY
+        from ingestd.replay.files import read_meta
+        from ingestd.replay.storage import schema_of
 
-        if repr((STEPS_KEY,)) in str(exc):  # n-step rows carry that key, 1-step rows do not: workers.n_step's doing
+        stored = (STEPS_KEY,) in read_meta(Path(path))["schema"]  # (read fine: the open got past it)
+        if stored != ((STEPS_KEY,) in schema_of(example)):  # n-step rows carry it, 1-step rows do not
             raise ConfigError("workers.n_step", f"{exc}. The difference is workers.n_step: this replay holds "
-                                                f"{'n-step' if 'not produced' in str(exc) else '1-step'} rows; set "
-                                                "workers.n_step as it was written, or use a new replay.path") from None
+                                                f"{'n-step' if stored else '1-step'} rows; set workers.n_step as "
+                                                "it was written, or use a new replay.path") from None
         raise ConfigError("replay.path", str(exc)) from None
     except CorruptStorage as exc:
         raise ConfigError("replay.path", f"{exc} (nothing there was changed; restore the storage, move it "
