@@ -52,10 +52,14 @@ def test_reader_blocks_while_the_trainer_is_ahead_and_unblocks_on_inserts(shm_di
             r.sample(10, timeout=0.1)
         # the wait is counted from the first refusal, a few microseconds after the call began
         assert time.monotonic() - t0 >= 0.1 and lim.reader_blocked_s >= 0.09
-        threading.Timer(0.2, lambda: store.write(rows(20))).start()
+        writer = threading.Timer(0.2, lambda: store.write(rows(20)))
+        writer.start()
         t0 = time.monotonic()
-        assert r.sample(10, timeout=5).batch_size == (10,)
-        assert time.monotonic() - t0 >= 0.15
+        try:
+            assert r.sample(10, timeout=5).batch_size == (10,)
+            assert time.monotonic() - t0 >= 0.15
+        finally:
+            writer.join()  # the write may still be copying when the sample returns
         lim.close()
 
 

@@ -440,10 +440,15 @@ class ReplayStorage(MappedStore):
         return n
 
     def close(self) -> None:
-        if not self._closed:
-            files.close_lock_file(self._lock_fd)
-            self._priorities.close()
-        super().close()
+        """Unmap the storage. A write in flight in another thread finishes first (unmapping under
+        it crashed the process: SIGSEGV); writes started later raise ``ClosedError``."""
+        if self._closed:
+            return
+        with self._write_lock:  # held by every write from reservation to commit
+            if not self._closed:
+                files.close_lock_file(self._lock_fd)
+                self._priorities.close()
+            super().close()
 
 
 class Slots:
