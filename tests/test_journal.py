@@ -7,6 +7,7 @@ import re
 import signal
 
 from daemon_proc import DaemonProc, wait_for
+from reliability_util import PLUGIN_ENV
 from ingestd.service.journal import FORMAT, JournalFormatter, formatter_for, is_journal
 
 
@@ -56,3 +57,39 @@ def test_a_daemon_writing_to_the_journal_prefixes_its_lines():
     assert lines[failed + 1].startswith("<3>") and "count =" in lines[failed + 1], lines[failed:failed + 3]
     logged = [line for line in lines if " ingestd." in line and re.search(r" (INFO|WARNING|ERROR|DEBUG) ", line)]
     assert all(re.match(r"<[2-7]>", line) for line in logged), [x for x in logged if not x.startswith("<")][:5]
+
+
+def _journal_daemon(overrides: dict) -> DaemonProc:
+    """A daemon whose stderr (its log file) is what ``$JOURNAL_STREAM`` names (and which
+    imports the tests' env plug-ins)."""
+    d = DaemonProc(overrides=overrides, env=PLUGIN_ENV)
+    d.log_path.touch()  # start truncates it: the same inode
+    st = os.stat(d.log_path)
+    d.extra_env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    return d
+
+
+def test_a_crashed_workers_traceback_is_stored_as_an_error():
+    """A worker's crash and its traceback were printed past logging, so the journal stored them
+    as info and `journalctl -p err` hid why workers died (ops review)."""
+    overrides = {"workers.count": 2, "workers.env": "reliability_util:faulty_by_worker", "workers.policy": "Random",
+                 "workers.restart_budget": 1, "workers.restart_backoff_s": 0.1, "metrics.enabled": False}
+    with _journal_daemon(overrides) as d:  # worker 1 raises in its first step
+        d.wait_ready(rows=10)
+        wait_for(lambda: "ingestd worker 1 (pid" in d.log(), 20, "worker 1's failure in the log")
+        assert d.stop() == 0
+        lines = d.log().splitlines()
+    first = next(i for i, line in enumerate(lines) if "ingestd worker 1 (pid" in line)
+    assert lines[first].startswith("<3>") and "simulated env failure in step" in lines[first], lines[first]
+    trace = lines[first + 1:first + 1 + next(i for i, line in enumerate(lines[first + 1:]) if "RuntimeError" in line) + 1]
+    assert trace[0] == "<3>Traceback (most recent call last):" and len(trace) > 3, trace
+    assert all(line.startswith("<3>") for line in trace), trace
+
+
+def test_a_config_error_at_start_is_stored_as_an_error():
+    """Printed before logging is set up, it went in as info (its exit status, 78, aside)."""
+    with _journal_daemon({"workers.count": "two"}) as d:
+        assert d.proc.wait(30) == 78
+        lines = [line for line in d.log().splitlines() if line.strip()]
+    assert lines and all(line.startswith("<3>ingestd: config error: ") for line in lines), lines
+    assert "workers.count" in lines[0]

@@ -297,7 +297,9 @@ def test_daemon_workers_wait_for_a_stopped_trainer_visibly_and_resume(tmp_path):
 
             with pytest.raises(CommandFailed, match="narrower"):
                 client.limiter(min_diff=0.0, max_diff=1.0)
-            assert not client.limiter(enabled=False).enabled
+            wait_for(lambda: client.limiter().workers_blocked, 10, "the workers to be held again")
+            released = client.limiter(enabled=False)  # its reply shows them released, not still held
+            assert not released.enabled and released.workers_blocked == [], released
             frames = sum(w.frames for w in client.status().workers)
             wait_for(lambda: sum(w.frames for w in client.status().workers) > frames, 10,
                      "the workers to collect with the limiter off")

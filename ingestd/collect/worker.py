@@ -86,8 +86,9 @@ def worker_main(spec: WorkerSpec) -> None:
     except BaseException as exc:  # report everything, then die; the supervisor decides what next
         message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, spec.inference_mode)
         stats.set_error(spec.index, message)
-        print(f"ingestd worker {spec.index} (pid {os.getpid()}) failed: {message}\n"
-              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        # logged, not printed: under systemd every line of it is stored at priority err (journal.py)
+        log.error("ingestd worker %d (pid %d) failed: %s\n%s", spec.index, os.getpid(), message,
+                  traceback.format_exc().rstrip())
         code = 1
     sys.stderr.flush()
     os._exit(code)  # no finalizers: the parent's zmq/threads are not ours to clean up

@@ -383,6 +383,7 @@ def profile(ctx: Context, request: Profile) -> dict:
 
 
 _MAIN_LOCK_TRY_S = 0.05  # the main thread tries a trainer-writable lock this long, then lets go
+_RELEASE_WAIT_S = 0.5  # a limiter change that releases held workers: the reply waits this long to show it
 
 
 def limiter(ctx: Context, request: SetLimiter) -> dict:
@@ -413,8 +414,16 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
                 time.sleep(_MAIN_LOCK_TRY_S)
         ctx.publish("limiter.changed", **changes)
     stats = ctx.daemon.layout.stats
-    blocked = [i for i in ctx.slots() if int(stats[i]["pause_reason"]) == PauseReason.LIMITER
-               and int(stats[i]["state"]) == State.RUNNING]
+
+    def held() -> list[int]:
+        return [i for i in ctx.slots() if int(stats[i]["pause_reason"]) == PauseReason.LIMITER
+                and int(stats[i]["state"]) == State.RUNNING]
+
+    blocked = held()
+    released_by = time.monotonic() + _RELEASE_WAIT_S
+    while changes and blocked and lim.insert_blocked() is None and time.monotonic() < released_by:
+        time.sleep(0.002)  # the change released them: they clear their mark within a poll (2 ms)
+        blocked = held()
     lag = lim.sampled_lag()
     return LimiterState(**lim.state(), workers_blocked=blocked,
                         workers_blocked_s=round(sum(float(stats[i]["limiter_blocked_s"]) for i in ctx.slots()), 6),

@@ -152,8 +152,10 @@ def _main(argv: list[str] | None) -> int:
             return _config_check(args, cfg)
         config = cfg.load_config(args.config, args.overrides)
     except ConfigError as exc:
-        for each in exc.errors:
-            print(f"ingestd: config error: {each}", file=sys.stderr)
+        from ingestd.service.journal import marked
+
+        for each in exc.errors:  # (logging is not set up yet: under systemd, stored at priority err)
+            print(marked(f"ingestd: config error: {each}", logging.ERROR, sys.stderr), file=sys.stderr)
         return EX_CONFIG
     _setup_logging(config.service.log_level)
     try:

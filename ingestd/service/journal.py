@@ -4,9 +4,11 @@ systemd connects a service's stderr to the journal and says so in ``$JOURNAL_STR
 (``device:inode`` of that stream). A line beginning ``<N>`` (sd-daemon(3)) is stored with
 priority N, so ``journalctl -u ingestd -p warning`` finds the daemon's warnings and errors;
 without the prefix every line was stored as info. Each line of a multi-line message (a TOML
-error's caret) carries the prefix, as each becomes an entry of its own. What is written
-past logging (faulthandler's stacks of a hung worker, a crashed worker's printed traceback)
-is not prefixed. Elsewhere (a terminal, a file, a test) lines are left as they are.
+error's caret) carries the prefix, as each becomes an entry of its own. A crashed worker's
+traceback is logged (each line priority err), and a config error printed before logging is
+set up is prefixed too (``marked``); what is written past both (faulthandler's stacks of a
+hung worker, from a signal handler) is not. Elsewhere (a terminal, a file, a test) lines are
+left as they are.
 """
 from __future__ import annotations
 
@@ -23,8 +25,19 @@ class JournalFormatter(logging.Formatter):
     """``FORMAT`` with every line prefixed by the record's syslog priority."""
 
     def format(self, record: logging.LogRecord) -> str:
-        prefix = f"<{priority(record.levelno)}>"
-        return "\n".join(prefix + line for line in super().format(record).split("\n"))
+        return _prefixed(super().format(record), record.levelno)
+
+
+def marked(text: str, levelno: int, stream: TextIO, environ=os.environ) -> str:
+    """``text`` as the journal should store it when written to ``stream``: each line prefixed
+    with ``levelno``'s priority if ``stream`` is the journal (what is printed before logging is
+    set up: a config error), else unchanged."""
+    return _prefixed(text, levelno) if is_journal(stream, environ) else text
+
+
+def _prefixed(text: str, levelno: int) -> str:
+    prefix = f"<{priority(levelno)}>"
+    return "\n".join(prefix + line for line in text.split("\n"))
 
 
 def priority(levelno: int) -> int:
