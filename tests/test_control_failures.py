@@ -142,3 +142,45 @@ def test_a_push_whose_worker_dies_before_applying_it_says_so():
             pusher.join(30)
             assert replies, "the push did not come back"
             assert replies[0].applied == [] and replies[0].dropped == [0], replies[0]
+
+
+def test_a_stuck_control_thread_keeps_its_sockets_at_stop(tmp_path, monkeypatch, caplog):
+    """A control thread that does not stop in time still owns its sockets: destroying the
+    context under it (zmq sockets are not thread-safe) could abort the daemon at exit. stop()
+    leaves them to the process exit, says so, and still removes the socket files."""
+    import threading
+    import time
+
+    import ingestd.control.server as server_module
+    from ingestd.control.server import ControlServer
+    from ingestd.service.config import load_config
+    from ingestd.service.daemon import Daemon
+
+    config = load_config(overrides=[f'service.runtime_dir="{tmp_path / "run"}"',
+                                    f'service.data_dir="{tmp_path / "data"}"', "metrics.enabled=false"])
+    daemon = Daemon(config, None, (), {})
+    server = ControlServer(config)
+    release, inside = threading.Event(), threading.Event()
+
+    def stuck(now):
+        inside.set()
+        release.wait(30)
+
+    monkeypatch.setattr(server, "_housekeeping", stuck)
+    monkeypatch.setattr(server_module, "STOP_JOIN_S", 0.3)
+    server.start(daemon)
+    thread = server._thread
+    try:
+        assert inside.wait(10)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="ingestd"):
+            server.stop()
+        assert time.monotonic() - t0 < 5 and thread.is_alive()
+        assert "left to the process exit" in caplog.text
+        assert server._context is not None  # not destroyed under the thread
+        assert not Path(daemon.paths.control.removeprefix("ipc://")).exists()
+    finally:
+        release.set()
+        thread.join(10)
+        server._close_all()
+    assert not thread.is_alive()

@@ -633,6 +633,51 @@ def test_a_failing_fill_leaves_no_slot_odd(shm_dir):
         assert not rp.bad_rows(reader.sample(200), reader.schema).any()
 
 
+_VIEWS_AFTER_CLOSE = """
+import sys, threading, time
+import replay_payload as rp
+from ingestd.replay import ReplayReader, ReplayStorage
+path = sys.argv[1]
+store = ReplayStorage.create(path, rp.spec("pixels"), 256)
+store.write(rp.template(store.schema, 256))
+kept = {key: leaf for key, leaf in store.leaves.items()}  # a caller's tensors over data.bin
+reader = ReplayReader(path)
+sampled, stop = [], threading.Event()
+
+def sample():
+    while not stop.is_set():
+        try:
+            sampled.append(reader.sample(64).batch_size[0])
+        except Exception:  # ClosedError, or a None view once closed: anything but a crash
+            return
+
+thread = threading.Thread(target=sample)
+thread.start()
+while not sampled:
+    time.sleep(0.001)
+reader.close()  # while the thread copies images out of data.bin
+store.close()
+stop.set()
+thread.join()
+print(sum(int(leaf.double().sum() >= 0) for leaf in kept.values()), len(kept))
+"""
+
+
+def test_views_of_the_data_outlive_a_close_in_another_thread(shm_dir):
+    """A handle closed (a trainer's main thread at exit) while another thread samples through it,
+    or while a caller still holds its tensors: the mapping stays until the last view goes. Its
+    views were built over the mmap without holding it, so close() unmapped under them: SIGSEGV
+    (in a subprocess here, so that the crash fails this test and not the suite)."""
+    script = shm_dir / "views.py"
+    script.write_text(_VIEWS_AFTER_CLOSE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(shm_dir / "r")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    read, kept = map(int, done.stdout.split())
+    assert read == kept > 0, done.stdout
+
+
 def test_close_waits_for_a_write_in_flight_in_another_thread(shm_dir):
     """A handle closed while another thread's write is copying: the close waits for it (it
     unmapped under the copy, and the process died of SIGSEGV), and a later write is refused."""

@@ -200,19 +200,24 @@ class ControlServer:
         self.ctx.stopping.set()
         self._wake()
         self._thread.join(STOP_JOIN_S)
-        if self._thread.is_alive():
-            log.warning("control thread did not stop within %.0f s", STOP_JOIN_S)
+        stuck = self._thread.is_alive()
+        if stuck:
+            log.warning("control thread did not stop within %.0f s; its sockets are left to the process exit",
+                        STOP_JOIN_S)
         self._pool.shutdown(wait=True, cancel_futures=True)  # waiters see ``stopping`` and return at once
         try:
-            if not self._thread.is_alive():  # the sockets are this thread's now
+            if not stuck:  # the sockets are this thread's now
                 self._flush_outbox()  # replies of commands that finished meanwhile (a snapshot, ``unavailable``)
                 self._router.close(linger=STOP_LINGER_MS)  # let them leave (the context is destroyed with linger 0)
         finally:
             self._thread = None
-            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
-            for fd in (wake_r, wake_w):
-                os.close(fd)
-            self._close_all()
+            if stuck:  # closing its sockets or its wake pipe under a thread still in poll() aborts libzmq
+                self._remove_files()  # (zmq sockets are not thread-safe); the daemon thread dies with us
+            else:
+                wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                self._close_all()
 
     def _close_all(self) -> None:
         if self._auth is not None:
@@ -221,6 +226,9 @@ class ControlServer:
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         for path in self._files:
             try:
                 os.unlink(path)

@@ -418,6 +418,7 @@ class Sampling:
             if thing is not None:
                 thing.close()
         self.tree = self.limiter = self._store = None
+        self._sequences = None  # its views keep data.bin mapped
 
 
 def _attach_limiter(reader) -> Limiter | None:

@@ -87,8 +87,13 @@ class MappedStore:
             raise
         self._closed = False
         self.seq = self._header[files.HEADER_WORDS:]
-        self._arrays = files.leaf_arrays(mm, self.schema, self._layout, self.capacity)
-        self._records = files.record_array(mm, self._layout, self.capacity)
+        # the views go through frombuffer, which holds the mapping's buffer while any view of it
+        # lives: close() then leaves data.bin mapped until the last view goes (a thread still
+        # copying, a caller's tensor), instead of unmapping under it (SIGSEGV). np.ndarray over
+        # the mmap itself held nothing, and its views dangled
+        data = np.frombuffer(mm, np.uint8)
+        self._arrays = files.leaf_arrays(data, self.schema, self._layout, self.capacity)
+        self._records = files.record_array(data, self._layout, self.capacity)
         self.leaves: dict[Key, torch.Tensor] = {k: files.as_tensor(a) for k, a in self._arrays.items()}
 
     @property
