@@ -151,3 +151,15 @@ def autograd_hint(exc: BaseException, inference: bool) -> str:
         return ""
     return (" (torch.inference_mode, which workers run their env and policy under, refused it: set "
             "workers.inference_mode = false to run them under torch.no_grad instead)")
+
+
+def blame(exc: BaseException, key: str) -> None:
+    """Mark ``exc`` as raised by the user's code configured at ``key`` (``workers.env`` or
+    ``workers.policy``), for the worker's error message (``part_of``); an inner mark stays."""
+    if not hasattr(exc, "ingestd_part"):
+        exc.ingestd_part = key  # (every exception instance takes attributes)
+
+
+def part_of(exc: BaseException) -> str | None:
+    """The config key of the part that raised ``exc`` (``blame``), if known."""
+    return getattr(exc, "ingestd_part", None)

@@ -51,6 +51,7 @@ def test_env_faults_are_contained():
                 w = status.workers[worker]
                 assert re.search(MESSAGES[worker], w.error), (worker, w.error)
                 assert w.restarts == BUDGET - 1 and w.frames == 0
+            assert status.workers[1].error.startswith("workers.env raised RuntimeError: "), status.workers[1].error
             seen_errors = {}
 
             def progressing_errors(s) -> bool:  # a looping worker shows its error between death and restart

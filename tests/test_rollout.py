@@ -526,3 +526,34 @@ def test_large_leaves_are_copied_into_their_rows_whatever_their_dtype_and_stride
     for leaf in (torch.ones(64, 1024, dtype=dtype), torch.full((1024, 64), 2, dtype=dtype).t()):
         _copy_eager([("observation", rows.unbind(0), None)], {"observation": leaf}, 1)
         assert torch.equal(rows[1], leaf) and not rows[0].any()
+
+
+@pytest.mark.parametrize("where", ["reset", "step", "policy"])
+def test_an_error_raised_by_the_env_or_the_policy_names_its_config_key(where):
+    """A runtime error in the user's env or policy reached the status as a bare
+    ``RuntimeError: ...``: which of the two raised it, and so which key to look at, was not said."""
+    from ingestd.errors import part_of
+
+    class Env(TorchEnv):
+        def __init__(self):
+            super().__init__(EnvContext(num_envs=2, seed=0, worker=0, episode_base=0),
+                             EnvSpec((3,), torch.float32, (), torch.int64, 2))
+
+        def _reset(self, mask):
+            if where == "reset":
+                raise RuntimeError("scene missing")
+            return torch.zeros(2, 3)
+
+        def _step(self, action):
+            if where == "step":
+                raise RuntimeError("simulator went away")
+            return torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)
+
+    env = Env()
+    policy = Random(env.spec, seed=0)
+    if where == "policy":
+        def policy(root):  # noqa: F811 (a policy that fails in its forward)
+            raise ValueError("bad weights")
+    with pytest.raises(Exception) as raised:
+        Rollout(env, policy, worker=0, episode_base=0, chunk_steps=4).chunk(0)
+    assert part_of(raised.value) == ("workers.policy" if where == "policy" else "workers.env")

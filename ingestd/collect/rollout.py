@@ -45,7 +45,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ingestd.collect.checks import RowChecks, check_action, check_rows, scanned
 from ingestd.collect.interfaces import Env, Policy
-from ingestd.errors import EnvFault
+from ingestd.errors import EnvFault, blame
 
 _STAMPS = ("worker", "env", "episode", "step", "policy_version")
 _STAMP_KEYS = frozenset(("ingestd", f) for f in _STAMPS)
@@ -119,7 +119,11 @@ class Rollout:
         self._width = 0  # leaves per transition
         self._rows: TensorDictBase | None = None  # [T * B] views of all the buffers, in the rows' key order
         self._fresh_checks = _FRESH_CHUNKS  # chunks whose steps are checked for reused env buffers
-        self._root = env.reset()
+        try:
+            self._root = env.reset()
+        except Exception as exc:
+            blame(exc, "workers.env")
+            raise
 
     @property
     def root(self) -> TensorDictBase:
@@ -148,12 +152,17 @@ class Rollout:
         returned: dict = {}  # (checked chunks) small leaf key -> {data_ptr: its values when first returned}
         policy, env, root, beat = self.policy, self.env, self._root, self._beat
         for t in range(steps):
-            acted = policy(root)
+            try:
+                acted = policy(root)
+            except Exception as exc:  # (free unless raised) the worker's message names the part
+                blame(exc, "workers.policy")
+                raise
             before = _snapshot(acted) if self._fresh_checks else None
             try:
                 transition, root = env.step_and_maybe_reset(acted)
-            except Exception:  # (free unless raised) an action the env could not take explains it
+            except Exception as exc:  # an action the env could not take explains it
                 check_action(acted, self.checks)
+                blame(exc, "workers.env")
                 raise
             beat()
             leaves = _leaves_of(transition)

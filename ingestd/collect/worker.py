@@ -22,7 +22,7 @@ import numpy as np
 
 from ingestd.collect.inherited import release_inherited
 from ingestd.collect.stats import RING, Desired, PauseReason, State, StatsBlock
-from ingestd.errors import autograd_hint
+from ingestd.errors import EnvFault, autograd_hint, part_of
 from ingestd.replay.limiter import hold_worker
 
 log = logging.getLogger("ingestd.worker")
@@ -85,6 +85,9 @@ def worker_main(spec: WorkerSpec) -> None:
         Worker(spec, stats).run()
     except BaseException as exc:  # report everything, then die; the supervisor decides what next
         message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, spec.inference_mode)
+        part = None if isinstance(exc, EnvFault) else part_of(exc)  # (an EnvFault's message says it)
+        if part is not None:  # first: the stats block keeps the message's first 240 bytes
+            message = f"{part} raised {message}"
         stats.set_error(spec.index, message)
         # logged, not printed: under systemd every line of it is stored at priority err (journal.py)
         log.error("ingestd worker %d (pid %d) failed: %s\n%s", spec.index, os.getpid(), message,
