@@ -890,6 +890,32 @@ def test_resumed_weights_into_an_empty_replay_are_a_warning(tmp_path, caplog, fr
     assert [r.levelname for r in said] == [level] and ("into an empty replay" in said[0].getMessage()) == fresh
 
 
+@pytest.mark.parametrize("resumed, configured, warned", [(0.0, 1.0, True), (0.25, 0.25, False)])
+def test_a_configured_epsilon_the_resumed_weights_override_is_a_warning(tmp_path, caplog, resumed, configured,
+                                                                      warned):
+    """Weights review: a restart with workers.policy_kwargs.epsilon changed from 0 to 1 collected
+    fully greedy (the resumed weights carry epsilon as a buffer), said only at INFO as a resume."""
+    import logging
+
+    from ingestd.service.layout import _warn_overridden_kwargs, _weight_store
+    from ingestd.weights import WeightStore
+    from ingestd.weights.wire import manifest_of
+
+    path = tmp_path / "weights"
+    old = {"w": torch.full((3,), 7.0), "epsilon": torch.tensor(resumed)}
+    with WeightStore.create(path, manifest_of(old)) as store:
+        store.publish(old, version=4)
+    initial = {"w": torch.zeros(3), "epsilon": torch.tensor(configured)}
+    with caplog.at_level(logging.WARNING, logger="ingestd"):
+        with _weight_store(path, manifest_of(initial), initial, 0, resume=True) as store:
+            _warn_overridden_kwargs(store, initial, {"epsilon": configured, "hidden": [64]})
+    said = [r.getMessage() for r in caplog.records if "is not in effect" in r.getMessage()]
+    assert len(said) == warned, caplog.text
+    if warned:
+        assert "workers.policy_kwargs.epsilon = 1 " in said[0] and "epsilon = 0 " in said[0], said
+        assert "service.start_weights" in said[0]
+
+
 @pytest.mark.parametrize("mode", ["resume", "initial"])
 def test_a_store_of_another_policy_shape_is_replaced_past_its_version(tmp_path, mode):
     from ingestd.service.layout import _weight_store

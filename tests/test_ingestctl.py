@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import json
+import pickle
 import os
 import stat
 import subprocess
@@ -131,6 +132,10 @@ WRONG_FILES = {  # how to write the file; how the message goes on after the file
     "checkpoint, empty state_dict": (lambda f: torch.save({"state_dict": {}, "model": torch.nn.Linear(2, 3).state_dict()},
                                                           f), "does not hold a state dict (a non-empty dict of name -> tensor): it holds a dict of "
                                          "'state_dict', 'model', of which 'model' is a state dict"),
+    # weights review: "a damaged torch file", after torch's multi-line warning on stderr
+    **{f"plain pickle, protocol {n}": (lambda f, n=n: pickle.dump({"bias": torch.zeros(1)}, f, protocol=n),
+                                       'is a plain pickle (pickle.dump), not a torch file: save the weights with '
+                                       'torch.save(model.state_dict(), "{}")') for n in (2, 4)},
     "encrypted zip member": (lambda f: f.write(_encrypted(_saved({"bias": torch.zeros(1), "obj": NotATensor()}))),
                              "cannot be loaded as weights ("),
 }
@@ -193,6 +198,7 @@ def test_push_weights_says_what_is_wrong_with_the_file(tmp_path, capsys, case):
     assert error["code"] == "bad_input"
     assert error["message"].startswith(f"{path} {expected.format(path)}"), error["message"]
     assert "weights_only" not in error["message"] and "\x1b" not in err and "\n" not in error["message"]
+    assert "Warning" not in err, err  # torch's own warnings stay out of a refusal
 
 
 def test_push_weights_key_picks_a_checkpoint_entry(tmp_path):

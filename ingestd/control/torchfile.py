@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pickletools
 import re
+import warnings
 import zipfile
 
 SAVE = 'torch.save(model.state_dict(), "{path}")'
 _PEEK = 16  # bytes shown of a file that is not a torch file
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of torch's legacy (non-zip) format
 _MAX_PICKLES = 4  # the legacy (non-zip) torch format is a few pickles in a row; the object is the 4th
 _MAX_NAMES = 3  # pickled class names shown
 _MAX_READ = 16 << 20  # bytes of pickle looked at, at most (a zip member's are decompressed as read)
@@ -42,7 +44,9 @@ def load_state_dict(path: str, key: str | None = None) -> dict:
     import torch
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol 4 ... file an issue" on a plain pickle
+            warnings.simplefilter("ignore", UserWarning)
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise InputError("no_input", f"cannot read {path}: {exc.strerror}", EX_NOINPUT) from None
     except Exception as exc:  # weights_only refuses pickled objects; torch raises various types
@@ -116,7 +120,9 @@ def _explain(path: str, error: BaseException) -> str:
             if head.startswith(b"PK"):
                 return f"{path} is a damaged torch file (a truncated or corrupt zip archive): save it again"
             if head.startswith(b"\x80"):  # a pickle: torch's legacy format, or a plain pickle
-                return _explain_pickle(path, _pickled_names(f, _MAX_PICKLES), error)
+                legacy = _starts_with_magic(f)
+                f.seek(0)
+                return _explain_pickle(path, _pickled_names(f, _MAX_PICKLES), error, legacy)
     except OSError as exc:
         return f"{path} cannot be read: {exc.strerror or exc}"
     return (f"{path} is not a torch file (it starts with {head!r}; torch.save writes a zip archive): "
@@ -134,7 +140,20 @@ def _explain_zip(path: str, f, error: BaseException) -> str:
     return _explain_pickle(path, names, error)
 
 
-def _explain_pickle(path: str, names: tuple[set[str], list[str]] | None, error: BaseException) -> str:
+def _starts_with_magic(f) -> bool:
+    """Whether the first pickle of ``f`` is torch's legacy-format magic number (else the file is a
+    plain ``pickle.dump``, which ``torch.load`` reads as a damaged legacy file)."""
+    try:
+        return any(arg == _LEGACY_MAGIC for _, arg, _ in pickletools.genops(_Capped(f, _PEEK * 4)))
+    except Exception:  # noqa: BLE001 (not a pickle we can walk: not torch's either)
+        return False
+
+
+def _explain_pickle(path: str, names: tuple[set[str], list[str]] | None, error: BaseException,
+                    legacy: bool = True) -> str:
+    if not legacy:  # whatever it holds, torch.load cannot read it
+        return (f"{path} is a plain pickle (pickle.dump), not a torch file: save the weights with "
+                f"{SAVE.format(path=path)}")
     if names is not None:
         strings, classes = names
         if _MODULE_KEYS <= strings:

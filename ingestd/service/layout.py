@@ -90,6 +90,7 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
         manifest = manifest_of(state)
         weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage),
                                 resume=config.service.start_weights == "resume", fresh_replay=storage.write_count == 0)
+        _warn_overridden_kwargs(weights, state, config.workers.policy_kwargs)
     else:
         policy = None
     log.info("replay %s: %d rows of %d, write_count %d", paths.replay, len(storage), storage.capacity,
@@ -210,6 +211,26 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
     weights = WeightStore.create(path, manifest, mode=WEIGHTS_MODE)
     weights.publish(initial, version=max(left, stored) + 1)
     return weights
+
+
+def _warn_overridden_kwargs(weights, initial: dict, kwargs: dict) -> None:
+    """Warn when the weights in effect set a configured policy kwarg (a scalar of the state dict
+    named like it: the MLP's ``epsilon``) to another value than the config: resumed weights carry
+    the value of the push or config they came from, and a changed ``workers.policy_kwargs.epsilon``
+    was silently ignored after a restart (weights review)."""
+    import torch
+
+    current = weights.read()[1]
+    for key in sorted(kwargs):
+        ours, theirs = initial.get(key), current.get(key)
+        if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)
+                and ours.numel() == theirs.numel() == 1):
+            continue
+        if float(ours) != float(theirs):
+            log.warning("workers.policy_kwargs.%s = %g is not in effect: the weights resumed as version %d set "
+                        "%s = %g (the previous run's push or config; a push sets it); to apply the config's, "
+                        "set service.start_weights = \"initial\" or push weights with it", key, float(ours),
+                        weights.version, key, float(theirs))
 
 
 def _version_in(path) -> int:
