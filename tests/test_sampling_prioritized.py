@@ -335,6 +335,50 @@ def test_bad_arguments(shm_dir):
             assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)  # nothing was updated
 
 
+@pytest.mark.parametrize("bad, said", [(None, "got None"), ([1 + 2j, 1.0], "complex128"),
+                                        (["1", "2"], "<U1"), ([True, False], "bool")])
+def test_priorities_that_are_not_real_numbers_are_refused(shm_dir, bad, said):
+    """Trainer review: None was called "not finite", and complex (the imaginary part dropped),
+    string and bool priorities were taken."""
+    with make(shm_dir / "r") as store, ReplayReader(store.path, sampler="prioritized") as r:
+        with pytest.raises(ValueError, match="nothing was updated") as refused:
+            r.update_priorities([0, 1], bad)
+        assert said in str(refused.value)
+        assert np.allclose(r._sampling.tree.levels[0][:64], 1.0)
+
+
+def test_an_update_cut_short_is_repaired_before_the_next_draw_or_change(shm_dir, monkeypatch):
+    """Trainer review: a KeyboardInterrupt (or SIGKILL) in update_priorities between writing the
+    leaves and re-summing their ancestors left the sums stale (biased draws, a total that is not
+    the leaves' sum) until the daemon's next start. The cut is marked in the shared header: the
+    next change or draw, in any process, re-sums the tree first."""
+    with make(shm_dir / "r", capacity=4096, n=4096) as store, \
+            ReplayReader(store.path, seed=0, sampler="prioritized", alpha=1.0) as r:
+        tree = r._sampling.tree
+
+        def cut(idx):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tree, "_propagate", cut)
+        with pytest.raises(KeyboardInterrupt):
+            r.update_priorities(np.arange(0, 4096, 7), np.full(586, 50.0))
+        monkeypatch.undo()
+        assert not tree_consistent(tree) and tree.interrupted
+        other = PriorityTree.attach(store.path, 4096)  # another process's handle sees the mark
+        assert other.interrupted
+        other.close()
+        r.sample(64)  # a draw repairs it first
+        assert tree_consistent(tree) and not tree.interrupted
+        assert tree.total == pytest.approx(float(tree.levels[0][:4096].sum()))
+        # a change (a worker entering rows) repairs it as well
+        monkeypatch.setattr(tree, "_propagate", cut)
+        with pytest.raises(KeyboardInterrupt):
+            r.update_priorities(np.arange(5), np.full(5, 9.0))
+        monkeypatch.undo()
+        store.write(rows(8))
+        assert tree_consistent(store._priorities) and not tree.interrupted
+
+
 @pytest.mark.parametrize("alpha", [0.6, 1.0, 8.0])
 def test_huge_finite_priorities_keep_the_tree_finite_and_sampling(shm_dir, alpha):
     """32 x 1e307 ** alpha would overflow the tree's total (and every draw after): leaves are capped."""

@@ -188,3 +188,35 @@ def test_recovery_at_start_never_waits_for_a_trainers_priority_lock(shm_dir):
         drawn = reader.sample(512).get(("ingestd", "write_index")).numpy()
         assert not np.isin(drawn, np.arange(10, 20)).any()
     store.close()
+
+
+@pytest.mark.parametrize("lock", ["priority.lock", "limiter.bin"])
+def test_an_interrupt_as_the_lock_is_taken_leaves_it_free(shm_dir, monkeypatch, lock):
+    """Trainer review: a Ctrl-C landing as flock() returned (before the try that unlocks) left
+    priority.lock or limiter.bin held by an idle trainer: workers stopped writing and other
+    trainers hung until it called again or exited."""
+    from ingestd.replay import files
+
+    real = fcntl.flock
+
+    def interrupted(fd, op):
+        real(fd, op)
+        if op & fcntl.LOCK_EX:
+            raise KeyboardInterrupt  # as Python delivers a SIGINT after the call returned
+
+    store = ReplayStorage.create(shm_dir / "r", rows(1), 64)
+    store.write(rows(8))
+    with store, ReplayReader(store.path, sampler="prioritized") as r:
+        lim = Limiter.attach(store.path, inserts=lambda: store.write_count)
+        call = ((lambda: r.update_priorities([0], [2.0])) if lock == "priority.lock"
+                else (lambda: lim.configure(LimiterParams(True, 0, 1.0, -100.0, 100.0))))
+        monkeypatch.setattr(files.fcntl, "flock", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        monkeypatch.undo()
+        fd = os.open(store.path / lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's view: free
+        finally:
+            os.close(fd)
+        lim.close()

@@ -405,11 +405,11 @@ def flocked(fd: int, *, wait: Callable[[], None] | None = None, timeout: float |
     (its heartbeat, called while it waits: it is not taken for hung and killed), and the
     daemon's main thread a ``timeout`` (``LockBusy`` after it: supervision goes on). With
     neither, it blocks (a trainer)."""
-    if wait is None and timeout is None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    else:
-        _poll_flock(fd, wait, timeout, name)
-    try:
+    try:  # taken inside the try: a KeyboardInterrupt raised as flock returns must not leave it held
+        if wait is None and timeout is None:  # (unlocking a lock not taken does nothing)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            _poll_flock(fd, wait, timeout, name)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -3,7 +3,8 @@
 ::
 
     <replay>/priority.bin    int64/float64 words: magic, capacity, leaves, levels, max leaf (f64),
-                             reserved..., then the tree levels, leaves first
+                             changing (1 while a change is under way), reserved..., then the
+                             tree levels, leaves first
     <replay>/priority.lock   flock target serialising every change to the tree
 
 The tree is a ``K``-ary sum tree (``K = 16``) of float64: level 0 holds one
@@ -50,7 +51,7 @@ from ingestd.replay import files
 K = 16
 MAGIC = 0x5052494F_0001  # "PRIO" + 1
 HEADER_WORDS = 8
-H_MAGIC, H_CAPACITY, H_LEAVES, H_LEVELS, H_MAX = 0, 1, 2, 3, 4
+H_MAGIC, H_CAPACITY, H_LEAVES, H_LEVELS, H_MAX, H_CHANGING = 0, 1, 2, 3, 4, 5
 FILE, LOCK = "priority.bin", "priority.lock"
 DEFAULT_MAX = 1.0
 TOP_NODES = 4096  # descend() searches the widest level of at most this many nodes whole
@@ -135,6 +136,40 @@ class PriorityTree:
         for ``wait`` (a worker's heartbeat) and ``timeout`` (the daemon's main thread)."""
         return files.flocked(self._lock_fd, wait=wait, timeout=timeout, name=str(self.path / LOCK))
 
+    @contextlib.contextmanager
+    def _changing(self, wait: Callable[[], None] | None = None, timeout: float | None = None):
+        """``priority.lock`` for a change of the tree, marked in the header while it lasts. A
+        change cut short (a KeyboardInterrupt in a trainer's ``update_priorities``, a process
+        killed between writing leaves and re-summing their ancestors) leaves the mark, and the
+        next change re-sums the whole tree first: stale ancestors (biased draws, a total that is
+        not the leaves' sum) lasted until the daemon's next start (trainer review)."""
+        with self.locked(wait, timeout):
+            if self._header[H_CHANGING]:
+                self._resum_all()
+            self._header[H_CHANGING] = 1
+            yield
+            self._header[H_CHANGING] = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a change was cut short and not yet repaired (the next change repairs it)."""
+        return bool(self._header[H_CHANGING])
+
+    def repair(self) -> bool:
+        """Re-sum the tree if a change was cut short, unless another process holds the lock
+        (its change repairs it); returns whether it did. Readers call this before drawing."""
+        from ingestd.errors import LockBusy
+
+        try:
+            with self.locked(timeout=0.0):
+                if not self._header[H_CHANGING]:
+                    return False
+                self._resum_all()
+                self._header[H_CHANGING] = 0
+                return True
+        except LockBusy:
+            return False
+
     @property
     def max_leaf(self) -> float:
         return float(self._max[0])
@@ -148,7 +183,7 @@ class PriorityTree:
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
         if n <= 0:
             return
-        with self.locked(wait):
+        with self._changing(wait):
             for run, _ in files.segments(first, n, self.capacity):
                 self.levels[0][run] = self._max[0]
                 self._propagate_run(run.start, run.stop)
@@ -177,7 +212,7 @@ class PriorityTree:
             raise ValueError("priorities must be finite and >= 0")
         if expected_seq is not None and np.size(expected_seq) != slots.size:
             raise ValueError(f"{slots.size} indices but {np.size(expected_seq)} write indices")
-        with self.locked(timeout=timeout):
+        with self._changing(timeout=timeout):
             if seq is not None:
                 keep = seq[slots] == expected_seq
                 slots, leaves = slots[keep], leaves[keep]
@@ -207,7 +242,7 @@ class PriorityTree:
         """Make slots unsampleable (rows cleared by recovery)."""
         slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size:
-            with self.locked(wait):
+            with self._changing(wait):
                 self.levels[0][slots] = 0.0
                 self._propagate(slots)
 
@@ -215,8 +250,12 @@ class PriorityTree:
         """Re-sum every node from the leaves (a few ms at 1M slots): after writers died between
         ``vacate`` and ``enter``, their runs' ancestors still held the overwritten rows' mass."""
         with self.locked(timeout=timeout):
-            for lvl, block in enumerate(self._blocks):
-                self.levels[lvl + 1][:] = block.sum(axis=1)
+            self._resum_all()
+            self._header[H_CHANGING] = 0
+
+    def _resum_all(self) -> None:
+        for lvl, block in enumerate(self._blocks):
+            self.levels[lvl + 1][:] = block.sum(axis=1)
 
     def _propagate(self, idx: np.ndarray) -> None:
         """Re-sum the ancestors of sorted leaf indices ``idx``, level by level."""

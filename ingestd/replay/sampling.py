@@ -206,7 +206,7 @@ class Sampling:
             write_index = index.get(("ingestd", "write_index")) if write_index is None else write_index
             index = index.get(INDEX)
         slots = slot_indices(index, "index")
-        prio = np.abs(_numpy(priority).astype(np.float64).reshape(-1))
+        prio = np.abs(_priorities(priority))
         if prio.size == 1 and slots.size > 1:
             prio = np.full(slots.size, prio[0])
         if not np.isfinite(prio).all():
@@ -374,6 +374,8 @@ class Sampling:
         A descent racing a change may end on a zero leaf (a slot never written or cleared, or
         padding past the capacity): those few are drawn again."""
         tree, rng = self.tree, self.reader._rng
+        if tree.interrupted:  # a change cut short left stale sums: repaired before drawing from them
+            tree.repair()
         slots = np.empty(0, dtype=np.int64)
         for _ in range(_DRAW_ROUNDS):
             total = tree.total
@@ -433,6 +435,19 @@ def _attach_limiter(reader) -> Limiter | None:
                     "the trainer's user to the daemon's group (docs/systemd.md) to take part in rate limiting",
                     reader.path / LIMITER_FILE)
         return None
+
+
+def _priorities(priority) -> np.ndarray:
+    """``priority`` as a flat float64 array: real numbers only (a bool, a string or a complex
+    value was cast silently, or failed with numpy's message; None said "must be finite")."""
+    if priority is None:
+        raise ValueError("update_priorities needs the priorities (a tensor or array of |TD error|), got None; "
+                         "nothing was updated")
+    values = _numpy(priority)
+    if values.dtype.kind not in "fiu":
+        raise ValueError(f"priorities must be real numbers (a float tensor or array of |TD error|), got "
+                         f"{values.dtype} values; nothing was updated")
+    return values.astype(np.float64).reshape(-1)
 
 
 def _numpy(x) -> np.ndarray:
