@@ -127,6 +127,10 @@ BAD = [
     (["replay.path=relative/dir"], "replay.path", "absolute path"),
     (["service.data_dir=3"], "service.data_dir", "absolute path"),
     (["service.stop_timeout_s=inf"], "service.stop_timeout_s", "finite number > 0"),
+    # config review: passed every check, then the shutdown died of OverflowError (exit 1, sockets left)
+    (["service.stop_timeout_s=1e10"], "service.stop_timeout_s", "and <= 1e+06 (seconds)"),
+    (["control.ack_timeout_s=1e10"], "control.ack_timeout_s", "and <= 1e+06 (seconds)"),
+    (["workers.heartbeat_timeout_s=1e308"], "workers.heartbeat_timeout_s", "and <= 1e+06 (seconds)"),
     (["service.stop_timeout_s='10'"], "service.stop_timeout_s", "without quotes"),
     (["service.seed=-1"], "service.seed", "expected an integer in 0..9223372036854775807"),
     (["service.start_weights=fresh"], "service.start_weights", "one of resume, initial"),
@@ -408,3 +412,11 @@ def test_a_min_size_the_replay_can_reach_is_fine():
     assert load_config(overrides=["limiter.enabled=true", "limiter.min_size=2000000"]).limiter.enabled  # > capacity
     assert load_config(overrides=["limiter.enabled=true", "limiter.min_size=40000",
                                   "workers.total_frames=40000"]).workers.total_frames == 40000
+
+
+def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """Config review: a BOM (Windows editors add one) failed as "Invalid statement" at line 1,
+    column 1, quoting a line that looked right."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[workers]\ncount = 3\n")
+    assert load_config(path).workers.count == 3

@@ -81,3 +81,31 @@ def test_example_does_not_say_status_lacks_the_recent_returns():
     text = " ".join((ROOT / "examples" / "dqn_cartpole.py").read_text().split())
     assert not re.search(r"carries only each worker's \*?last\*? return", text)
     assert not re.search(r"Until the status reply carries", text)
+
+
+def _toml_blocks() -> list[tuple[str, str]]:
+    """``(where, text)`` of every whole config file the docs show (a ```toml block opening with a
+    section; indented fragments of a list item are left out)."""
+    import re
+
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, match in enumerate(re.finditer(r"```toml\n(.*?)```", doc.read_text(), re.S)):
+            if match.group(1).startswith("["):
+                found.append((f"{doc.name} block {i}", match.group(1)))
+    return found
+
+
+def test_every_config_file_the_docs_show_passes_config_check(tmp_path, capsys, monkeypatch):
+    """Config review: docs/envs.md's Gym example (Pendulum with the default MLP policy) failed
+    `ingestd config check` with 78; a user copying it got an error first."""
+    from ingestd.service.cli import main
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    blocks = _toml_blocks()
+    assert len(blocks) >= 2, blocks
+    for where, text in blocks:
+        path = tmp_path / "example.toml"
+        path.write_text(text)
+        assert main(["config", "check", str(path)]) == 0, (where, capsys.readouterr().err)

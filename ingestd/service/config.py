@@ -236,7 +236,7 @@ def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     else:
         where = os.fspath(path)
         try:
-            text = Path(where).read_text(encoding="utf-8")
+            text = Path(where).read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is dropped
         except FileNotFoundError:
             raise ConfigFileError(where, "config file not found; write one with `ingestd config default > FILE`, "
                                          "or give no file to use the built-in default") from None

@@ -57,23 +57,34 @@ class Int(Rule):
         return value
 
 
+MAX_SECONDS = 1e6  # ~11.6 days: a longer timeout overflowed poll()'s int milliseconds at shutdown (exit 1)
+
+
 @dataclass(frozen=True)
 class Float(Rule):
     """A finite number above ``gt`` (or equal to it, ``or_equal``; integers are accepted and
-    converted)."""
+    converted), and for seconds at most :data:`MAX_SECONDS`: a timeout of 1e10 s passed every
+    check, then crashed the shutdown (``OverflowError`` in a join) and every reload over the
+    socket (a lock's timeout past ``threading.TIMEOUT_MAX``)."""
 
     gt: float
     unit: str = "seconds"
     or_equal: bool = False
 
     @property
+    def _most(self) -> float:
+        return MAX_SECONDS if self.unit == "seconds" else math.inf
+
+    @property
     def accepted(self) -> str:
-        return f"a finite number {'>=' if self.or_equal else '>'} {self.gt:g} ({self.unit})"
+        most = f" and <= {self._most:g}" if math.isfinite(self._most) else ""
+        return f"a finite number {'>=' if self.or_equal else '>'} {self.gt:g}{most} ({self.unit})"
 
     def check(self, key: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
-        if not math.isfinite(value) or not (value > self.gt or self.or_equal and value == self.gt):
+        if not math.isfinite(value) or not (value > self.gt or self.or_equal and value == self.gt) \
+                or value > self._most:
             raise self.fail(key, value)
         return float(value)
 
