@@ -24,6 +24,7 @@ from ingestd.collect.inherited import release_inherited
 from ingestd.collect.stats import RING, Desired, PauseReason, State, StatsBlock
 from ingestd.errors import EnvFault, autograd_hint, part_of
 from ingestd.replay.limiter import hold_worker
+from ingestd.service.limits import fd_hint, out_of_fds
 
 log = logging.getLogger("ingestd.worker")
 
@@ -88,6 +89,8 @@ def worker_main(spec: WorkerSpec) -> None:
         part = None if isinstance(exc, EnvFault) else part_of(exc)  # (an EnvFault's message says it)
         if part is not None:  # first: the stats block keeps the message's first 240 bytes
             message = f"{part} raised {message}"
+        if out_of_fds(exc):  # (scaled up under a low ulimit: a bare errno 24 said nothing of it)
+            message += fd_hint("this worker")
         stats.set_error(spec.index, message)
         # logged, not printed: under systemd every line of it is stored at priority err (journal.py)
         log.error("ingestd worker %d (pid %d) failed: %s\n%s", spec.index, os.getpid(), message,

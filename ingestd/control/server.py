@@ -36,6 +36,7 @@ from ingestd.control.protocol import (
 )
 from ingestd.control.sockets import bind_private
 from ingestd.errors import ConfigError
+from ingestd.service.limits import FdWatch
 
 log = logging.getLogger("ingestd.control")
 
@@ -73,6 +74,7 @@ class ControlServer:
         self._files: list[str] = []
         self._ipc: list[list] = []  # [socket, address, path, (device, inode) of its file when bound, failed]
         self._next_file_check = 0.0
+        self._fds = FdWatch()
 
     # -- lifecycle (main thread) -------------------------------------------------------
     def start(self, daemon) -> None:
@@ -391,6 +393,7 @@ class ControlServer:
         if now >= self._next_file_check:
             self._next_file_check = now + SOCKET_FILE_CHECK_S
             self._rebind_lost_files()
+            self._fds.check()  # near the open-file limit: said before libzmq aborts at it
         daemon = self.ctx.daemon
         if daemon.layout is None or daemon.supervisor is None:
             return

@@ -32,6 +32,7 @@ from ingestd.replay.inputs import (available_memory, child_seed, file_identity, 
                                    wait_deadline)
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
+from ingestd.service.limits import fd_hint, out_of_fds
 
 _REDRAW_ROUNDS = 64  # rejection rounds (by seqlock, no copy) over [0, len) before scanning for committed slots
 _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
@@ -95,6 +96,10 @@ class ReplayReader(MappedStore):
                 raise
             # the daemon's data dir given for its replay (replay.path defaults to <data_dir>/replay)
             raise StorageNotFound(f"{exc}; did you mean {str(inner)!r}?") from None
+        except OSError as exc:
+            if out_of_fds(exc):
+                raise _out_of_fds(self._attached_at, exc) from None
+            raise
         self._next_attach_check = 0.0
         self._replaced: str | None = None
         # how to attach again in another process (pickling: DataLoader workers under spawn)
@@ -122,8 +127,10 @@ class ReplayReader(MappedStore):
         try:
             self._sampling = Sampling(self, sampler, alpha, beta, max_policy_lag, weights_path, weights_version,
                                       rate_limited)
-        except BaseException:
+        except BaseException as exc:
             super().close()
+            if out_of_fds(exc):
+                raise _out_of_fds(self._attached_at, exc) from None
             raise
 
     def __reduce__(self):
@@ -484,6 +491,13 @@ class ReplayReader(MappedStore):
             sampling.close()
         self._columns = []
         super().close()
+
+
+def _out_of_fds(path: Path, exc: OSError) -> OSError:
+    """EMFILE while attaching (a bare errno 24 from the limiter's file said nothing of the cause)."""
+    return OSError(exc.errno, f"{exc.strerror}: cannot attach a reader to {path}" + fd_hint("this process")
+                   + "; every open reader holds a few: close() the readers you no longer use (or open them in "
+                   "a with block)", exc.filename)
 
 
 def _attach(path: str, options: dict, seed: int | None = None) -> ReplayReader:

@@ -162,6 +162,9 @@ def _main(argv: list[str] | None) -> int:
         # the paths and the instance locks before torch's import: an unusable directory or a
         # second daemon is refused in a fraction of a second, not after seconds of start-up
         from ingestd.service.instance import claim_instance
+        from ingestd.service.limits import raise_fd_limit
+
+        raise_fd_limit()  # control connections count too: at the limit libzmq aborts the daemon
 
         claim = claim_instance(cfg.resolve_paths(config, os.environ))
         if config.metrics.enabled:

@@ -1,0 +1,96 @@
+"""The open-file limit: raised by `ingestd run`, watched by the control thread, and named when a
+worker or a reader runs out (exhaustion review: 1,100 idle control connections made libzmq abort a
+daemon under the usual soft limit of 1024)."""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from sampling_rows import rows
+
+from ingestd.replay import ReplayReader, ReplayStorage
+from ingestd.service import limits
+
+
+def _soft_limit_of(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_ingestd_run_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    want = limits.CEILING if hard == resource.RLIM_INFINITY else min(hard, limits.CEILING)
+    args = [sys.executable, "-m", "ingestd.service.cli", "run", "--set", f'service.data_dir="{tmp_path / "data"}"',
+            "--set", f'service.runtime_dir="{tmp_path / "run"}"', "--set", "metrics.enabled=false",
+            "--set", "workers.count=1", "--set", "workers.num_envs=8", "--set", "workers.chunk_steps=8",
+            "--set", "replay.capacity=20000"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        deadline = time.monotonic() + 60
+        seen = 256
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen = _soft_limit_of(proc.pid)
+            if seen == want:
+                break
+            time.sleep(0.05)
+        assert seen == want, (seen, want, proc.poll())
+    finally:
+        proc.send_signal(signal.SIGTERM)  # (still starting: it may die of it before its handler is set)
+        try:
+            assert proc.wait(60) in (0, -signal.SIGTERM)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+
+
+def test_descriptor_use_near_the_limit_is_warned_once_per_crossing(monkeypatch, caplog):
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = [int(0.5 * soft)]
+    monkeypatch.setattr(limits, "fds_in_use", lambda: used[0])
+    watch = limits.FdWatch()
+    with caplog.at_level(logging.WARNING, logger="ingestd"):
+        for value in (0.5, 0.85, 0.9, 0.5, 0.95):
+            used[0] = int(value * soft)
+            watch.check()
+    said = [r.getMessage() for r in caplog.records if "file descriptors this daemon may open" in r.getMessage()]
+    assert len(said) == 2 and "LimitNOFILE" in said[0], said  # at 0.85, and again at 0.95 after it fell
+
+
+def test_a_reader_out_of_descriptors_says_so_and_what_to_do(shm_dir):
+    store = ReplayStorage.create(shm_dir / "r", rows(1), 64)
+    store.write(rows(8))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    readers = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.fds_in_use() + 12, hard))
+        with pytest.raises(OSError) as refused:
+            for _ in range(50):
+                readers.append(ReplayReader(store.path))
+    finally:
+        for r in readers:
+            r.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        store.close()
+    message = str(refused.value)
+    assert "out of file descriptors" in message and "close() the readers" in message, message
+    assert readers, "no reader could be opened at all"
+
+
+def test_a_worker_out_of_descriptors_names_the_limit():
+    import errno
+
+    assert limits.out_of_fds(OSError(errno.EMFILE, "Too many open files"))
+    assert not limits.out_of_fds(OSError(errno.ENOENT, "gone")) and not limits.out_of_fds(ValueError())
+    assert "raise LimitNOFILE" in limits.fd_hint("this worker") and str(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0]) in limits.fd_hint("x")
