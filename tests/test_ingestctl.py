@@ -363,6 +363,17 @@ def test_keygen_is_shown_with_its_name():
     assert "`keygen NAME [--dir D]`" in texts[root / "README.md"]
 
 
+def test_a_runtime_dir_that_is_a_file_is_named(tmp_path, capsys):
+    """Exhaustion review: with the runtime dir replaced by a file, ingestctl said "you have no
+    write access ... join the daemon's group" (to root)."""
+    (tmp_path / "run").write_text("")
+    code = cli.main(["--json", "--connect", f"ipc://{tmp_path}/run/control.sock", "status"])
+    out, err = capsys.readouterr()
+    assert code == cli.EX_UNAVAILABLE, err
+    message = json.loads(out)["error"]["message"]
+    assert f"{tmp_path}/run is not a directory" in message and "write access" not in message, message
+
+
 def test_a_missing_ipc_socket_fails_at_once(capsys):
     """No socket file: no daemon listens there, so ingestctl says so at once (exit 69), instead
     of retrying for its whole --timeout (5 s) first."""

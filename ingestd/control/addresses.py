@@ -93,7 +93,7 @@ def may_exist(path: str) -> bool:
     nothing: the daemon may well be there, and the reply's silence explains the access)."""
     try:
         os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a runtime dir that became a file: no socket can be there)
         return False
     except OSError:  # EACCES on a directory: unknown
         pass

@@ -369,6 +369,10 @@ class ControlClient:
     def _no_socket(self) -> str:
         where = ("; a daemon elsewhere: set INGESTD_CONTROL or pass --connect / ControlClient(address=...)"
                  if self._own_dir else "")
+        directory = os.path.dirname(self._socket_file)
+        if os.path.exists(directory) and not os.path.isdir(directory):  # (was "no write access": exhaustion review)
+            return f"{directory} is not a directory, so there is no socket at {self._socket_file}; remove or move " \
+                   f"that file, then restart the daemon{where}"
         return f"there is no socket at {self._socket_file}: is the daemon running with this runtime dir?{where}"
 
     def _silence(self, cmd: str, budget: float, attempts: int) -> str:
