@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -63,7 +64,10 @@ class Sampling:
             if max_policy_lag < 0:
                 raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
             max_policy_lag = int(max_policy_lag)
-        self.reader, self.sampler, self.alpha, self.beta = reader, sampler, float(alpha), float(beta)
+        # a proxy: a reference back would make a cycle, and a reader dropped without close() kept its
+        # descriptors and mappings until the cycle collector ran (exhaustion review)
+        self.reader = weakref.proxy(reader)
+        self.sampler, self.alpha, self.beta = sampler, float(alpha), float(beta)
         self.max_policy_lag = max_policy_lag
         self._store = None
         if weights_version is None and weights_path is not None:
@@ -428,7 +432,8 @@ def _attach_limiter(reader) -> Limiter | None:
     if not (reader.path / LIMITER_FILE).exists():
         return None
     try:
-        return Limiter(reader.path, inserts=lambda: reader.write_count)
+        ref = weakref.ref(reader)  # (no cycle through the limiter either)
+        return Limiter(reader.path, inserts=lambda: ref().write_count)
     except PermissionError:  # no write access: this reader cannot take part in rate limiting; said
         # once, as a limiter the daemon enforces would otherwise be bypassed without a word
         log.warning("cannot open %s for writing: this reader's samples are not rate-limited nor counted; add "
