@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import tempfile
@@ -18,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 from sampling_rows import rows
 
 from ingestd.replay import ReplayReader, ReplayStorage
-from ingestd.replay.priority import K, PriorityTree
+from ingestd.errors import LockBusy
+from ingestd.replay.priority import H_CHANGING, K, PriorityTree
 
 
 def chisquare_p(counts: np.ndarray, expected: np.ndarray | None = None) -> float:
@@ -377,6 +379,38 @@ def test_an_update_cut_short_is_repaired_before_the_next_draw_or_change(shm_dir,
         monkeypatch.undo()
         store.write(rows(8))
         assert tree_consistent(store._priorities) and not tree.interrupted
+
+
+def test_a_draw_in_one_thread_leaves_a_change_under_way_in_another_alone(shm_dir):
+    """Review: the flock belongs to the reader's open file, shared by its threads, so a draw's
+    repair in one thread took priority.lock while another thread of the same reader was
+    mid-change, re-summed under it, cleared its mark and released its lock."""
+    with make(shm_dir / "r", capacity=4096, n=4096) as store, \
+            ReplayReader(store.path, seed=0, sampler="prioritized") as r:
+        tree, drawn = r._sampling.tree, []
+        other = PriorityTree.attach(store.path, 4096)  # another open file: its own flock
+        try:
+            with tree.locked():
+                tree._begin_change()  # this thread's change is under way
+                thread = threading.Thread(target=lambda: drawn.append(r.sample(64)))
+                thread.start()
+                thread.join(30)
+                assert drawn and drawn[0].batch_size[0] == 64  # the draw went on, without waiting
+                assert tree.interrupted  # and left the change's mark alone
+                with pytest.raises(LockBusy), other.locked(timeout=0.0):
+                    pass  # the lock is still held for the change
+                tree._header[H_CHANGING] = 0
+            assert not tree.repair()  # nothing to repair once the change is done
+            updated = []
+            with tree.locked():  # a second thread's update waits for this thread's change
+                thread = threading.Thread(target=lambda: updated.append(r.update_priorities([0], [3.0])))
+                thread.start()
+                thread.join(0.3)
+                assert not updated
+            thread.join(30)
+            assert updated == [1]
+        finally:
+            other.close()
 
 
 @pytest.mark.parametrize("alpha", [0.6, 1.0, 8.0])

@@ -24,7 +24,9 @@ recomputed from their children (never adjusted by differences), so float error
 cannot drift.
 
 Concurrency: every change (writers entering new rows, trainers updating
-priorities) takes ``priority.lock``. Sampling takes no lock: a descent racing
+priorities) takes ``priority.lock`` (and the handle's thread lock: threads share
+the flock). Sampling takes no lock (only a draw that finds a change marked cut
+short tries it once, without waiting, to repair the sums): a descent racing
 a change may land on a stale leaf, and the reader validates every drawn row
 with the slot's seqlock as uniform sampling does (a zero or out-of-range leaf
 is re-drawn). Writers call :meth:`PriorityTree.enter` *after* committing a
@@ -39,13 +41,14 @@ import contextlib
 import fcntl
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ingestd.errors import StorageFull
+from ingestd.errors import LockBusy, StorageFull
 from ingestd.replay import files
 
 K = 16
@@ -110,6 +113,7 @@ class PriorityTree:
         self._prefix_t = torch.zeros(sizes[self._top] + 1, dtype=torch.float64)  # 0, then the top's prefix sums
         self._prefix = self._prefix_t.numpy()
         self._lock_fd = files.open_lock_file(self.path / LOCK, os.O_RDWR | os.O_CREAT, owner=self)
+        self._threads = threading.Lock()  # taken before the flock: see locked()
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -133,42 +137,54 @@ class PriorityTree:
     # -- changes (under the lock) ---------------------------------------------------------
     def locked(self, wait: Callable[[], None] | None = None, timeout: float | None = None):
         """``priority.lock`` (trainers hold it in ``update_priorities``): see ``files.flocked``
-        for ``wait`` (a worker's heartbeat) and ``timeout`` (the daemon's main thread)."""
-        return files.flocked(self._lock_fd, wait=wait, timeout=timeout, name=str(self.path / LOCK))
+        for ``wait`` (a worker's heartbeat) and ``timeout`` (the daemon's main thread).
 
-    @contextlib.contextmanager
-    def _changing(self, wait: Callable[[], None] | None = None, timeout: float | None = None):
-        """``priority.lock`` for a change of the tree, marked in the header while it lasts. A
-        change cut short (a KeyboardInterrupt in a trainer's ``update_priorities``, a process
-        killed between writing leaves and re-summing their ancestors) leaves the mark, and the
-        next change re-sums the whole tree first: stale ancestors (biased draws, a total that is
-        not the leaves' sum) lasted until the daemon's next start (trainer review)."""
-        with self.locked(wait, timeout):
-            if self._header[H_CHANGING]:
-                self._resum_all()
-            self._header[H_CHANGING] = 1
-            yield
-            self._header[H_CHANGING] = 0
+        The flock belongs to this handle's open file, which every thread of the process shares:
+        so the handle's threads also take a thread lock first (two trainer threads updating
+        through one reader were not serialised, and a draw's repair could take the flock another
+        thread held and release it mid-change)."""
+        return _HandleLock(self, wait, timeout)
+
+    def _begin_change(self) -> None:
+        """Under the lock: mark a change under way in the header. A change cut short (a
+        KeyboardInterrupt in a trainer's ``update_priorities``, a process killed between writing
+        leaves and re-summing their ancestors) leaves the mark, and the next change or draw
+        re-sums the whole tree first: stale ancestors (biased draws, a total that is not the
+        leaves' sum) lasted until the daemon's next start (trainer review). The change clears
+        the mark as its last step, still under the lock."""
+        if self._header[H_CHANGING]:
+            self._resum_all()
+        self._header[H_CHANGING] = 1
 
     @property
     def interrupted(self) -> bool:
-        """Whether a change was cut short and not yet repaired (the next change repairs it)."""
+        """Whether a change is marked under way: one cut short and not yet repaired, or one in
+        progress in some process right now."""
         return bool(self._header[H_CHANGING])
 
     def repair(self) -> bool:
-        """Re-sum the tree if a change was cut short, unless another process holds the lock
-        (its change repairs it); returns whether it did. Readers call this before drawing."""
-        from ingestd.errors import LockBusy
-
+        """Re-sum the tree if a change was cut short; returns whether it did. Readers call this
+        before drawing when the mark is set. It never waits: if the lock is held (by another
+        thread of this process or by another process), the change under way is live, or its
+        holder's next change repairs it, and the draw goes on (its descent is validated as any
+        descent racing a change). One non-blocking ``flock`` call, no exception object built."""
+        if not self._threads.acquire(blocking=False):
+            return False
         try:
-            with self.locked(timeout=0.0):
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            try:
                 if not self._header[H_CHANGING]:
                     return False
                 self._resum_all()
                 self._header[H_CHANGING] = 0
                 return True
-        except LockBusy:
-            return False
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._threads.release()
 
     @property
     def max_leaf(self) -> float:
@@ -183,10 +199,12 @@ class PriorityTree:
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
         if n <= 0:
             return
-        with self._changing(wait):
+        with self.locked(wait):
+            self._begin_change()
             for run, _ in files.segments(first, n, self.capacity):
                 self.levels[0][run] = self._max[0]
                 self._propagate_run(run.start, run.stop)
+            self._header[H_CHANGING] = 0
 
     def vacate(self, first: int, n: int) -> None:
         """Slots just reserved for new rows: their leaves (the overwritten rows' priorities) are
@@ -212,17 +230,19 @@ class PriorityTree:
             raise ValueError("priorities must be finite and >= 0")
         if expected_seq is not None and np.size(expected_seq) != slots.size:
             raise ValueError(f"{slots.size} indices but {np.size(expected_seq)} write indices")
-        with self._changing(timeout=timeout):
+        with self.locked(timeout=timeout):
             if seq is not None:
                 keep = seq[slots] == expected_seq
                 slots, leaves = slots[keep], leaves[keep]
             if slots.size == 0:
                 return 0
+            self._begin_change()
             self.levels[0][slots] = leaves
             top = float(leaves.max())
             if top > self._max[0]:
                 self._max[0] = top
             self._propagate(np.sort(slots))
+            self._header[H_CHANGING] = 0
         return int(slots.size)
 
     def reset_max(self, leaf: float | None = None, timeout: float | None = None) -> float:
@@ -242,9 +262,11 @@ class PriorityTree:
         """Make slots unsampleable (rows cleared by recovery)."""
         slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size:
-            with self._changing(wait):
+            with self.locked(wait):
+                self._begin_change()
                 self.levels[0][slots] = 0.0
                 self._propagate(slots)
+                self._header[H_CHANGING] = 0
 
     def resum(self, timeout: float | None = None) -> None:
         """Re-sum every node from the leaves (a few ms at 1M slots): after writers died between
@@ -368,3 +390,31 @@ def _fill(tmp: Path, capacity: int, seq: np.ndarray | None) -> None:
             level = parent
     tree.flush()
     del tree, floats
+
+
+class _HandleLock:
+    """:meth:`PriorityTree.locked`: the handle's thread lock, then ``priority.lock``'s flock
+    (a class, not a generator: a worker takes it once a chunk)."""
+
+    __slots__ = ("_tree", "_wait", "_timeout", "_flock")
+
+    def __init__(self, tree: PriorityTree, wait: Callable[[], None] | None, timeout: float | None):
+        self._tree, self._wait, self._timeout, self._flock = tree, wait, timeout, None
+
+    def __enter__(self) -> None:
+        tree, timeout = self._tree, self._timeout
+        if not tree._threads.acquire(timeout=-1 if timeout is None else timeout):
+            raise LockBusy(f"{tree.path / LOCK} is held by another thread of this process for "
+                           f"{timeout:.1f} s; try again")
+        try:
+            self._flock = files.flocked(tree._lock_fd, wait=self._wait, timeout=timeout, name=str(tree.path / LOCK))
+            self._flock.__enter__()
+        except BaseException:
+            tree._threads.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._flock.__exit__(*exc)
+        finally:
+            self._tree._threads.release()
