@@ -1,6 +1,7 @@
 """Commands that wait for workers do not wait for dead or failed ones; a clean stop."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -179,8 +180,14 @@ def test_a_stuck_control_thread_keeps_its_sockets_at_stop(tmp_path, monkeypatch,
         assert "left to the process exit" in caplog.text
         assert server._context is not None  # not destroyed under the thread
         assert not Path(daemon.paths.control.removeprefix("ipc://")).exists()
+        wake = server._wake_r
+        server.stop()  # a second stop (review: it destroyed the context under the thread)
+        assert server._context is not None and thread.is_alive() and server._wake_r == wake
     finally:
         release.set()
         thread.join(10)
-        server._close_all()
     assert not thread.is_alive()
+    server.stop()  # once the thread has ended, a stop closes what it left: context and wake pipe
+    assert server._context is None and server._wake_r == -1
+    with pytest.raises(OSError):
+        os.fstat(wake)

@@ -63,6 +63,7 @@ class ControlServer:
         self.pool_threads = pool_threads
         self.status_max_age_s = status_max_age_s
         self._thread: threading.Thread | None = None
+        self._stuck: threading.Thread | None = None  # a control thread that outlived stop()
         self._context: zmq.Context | None = None
         self._auth: curve.Authenticator | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -197,12 +198,18 @@ class ControlServer:
 
     def stop(self) -> None:
         if self._thread is None:
+            stuck, self._stuck = self._stuck, None
+            if stuck is not None and stuck.is_alive():  # a stop before found it stuck: still is,
+                self._stuck = stuck  # and its context, sockets and pipe stay with it (see below)
+                return
+            self._close_wake()
             self._close_all()
             return
         self.ctx.stopping.set()
         self._wake()
-        self._thread.join(STOP_JOIN_S)
-        stuck = self._thread.is_alive()
+        thread = self._thread
+        thread.join(STOP_JOIN_S)
+        stuck = thread.is_alive()
         if stuck:
             log.warning("control thread did not stop within %.0f s; its sockets are left to the process exit",
                         STOP_JOIN_S)
@@ -214,12 +221,17 @@ class ControlServer:
         finally:
             self._thread = None
             if stuck:  # closing its sockets or its wake pipe under a thread still in poll() aborts libzmq
-                self._remove_files()  # (zmq sockets are not thread-safe); the daemon thread dies with us
+                self._remove_files()  # (zmq sockets are not thread-safe); the daemon thread dies with us,
+                self._stuck = thread  # or a later stop() closes them once it has ended
             else:
-                wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
+                self._close_wake()
                 self._close_all()
+
+    def _close_wake(self) -> None:
+        wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+        for fd in (wake_r, wake_w):
+            if fd >= 0:
+                os.close(fd)
 
     def _close_all(self) -> None:
         if self._auth is not None:
