@@ -328,3 +328,36 @@ def test_lag_metrics_leave_out_warm_up_rows_and_a_stale_trainer_report(shm_dir):
             lim.close()
     finally:
         stats.close()
+
+
+def test_a_limiter_change_reply_never_waits_past_the_callers_deadline(monkeypatch):
+    """Review: after a change, the reply waits for released workers to clear their mark (up to
+    _RELEASE_WAIT_S), and that wait ignored the request's deadline. A worker that never clears
+    it (stopped, say) now costs the reply at most the deadline."""
+    import types
+
+    import numpy as np
+
+    from ingestd.collect.stats import RECORD, State
+    from ingestd.control import handlers
+    from ingestd.control.commands import SetLimiter
+
+    stats = np.zeros(2, dtype=RECORD)
+    stats["state"], stats["pause_reason"] = State.RUNNING, PauseReason.LIMITER  # both held, never cleared
+    lim = types.SimpleNamespace(params=LimiterParams(enabled=True), configure=lambda p, timeout=None: p,
+                                insert_blocked=lambda: None, sampled_lag=lambda: None,
+                                state=lambda: dict(enabled=False, min_size=0, samples_per_insert=1.0, min_diff=0.0,
+                                                   max_diff=1.0, inserts=0, samples=0, error=None,
+                                                   reader_blocked_s=0.0, reader_waits=0))
+    daemon = types.SimpleNamespace(layout=types.SimpleNamespace(limiter=lim, stats=stats),
+                                   checked_with=lambda changes: None, adopt=lambda config: None)
+    ctx = types.SimpleNamespace(daemon=daemon, slots=lambda: [0, 1], on_main=lambda fn, deadline: fn(),
+                                publish=lambda kind, **fields: None,
+                                deadline=lambda request: time.monotonic() + 0.05)
+    monkeypatch.setattr(handlers, "_RELEASE_WAIT_S", 60.0)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(handlers.limiter(ctx, SetLimiter(enabled=False))),
+                              daemon=True)
+    thread.start()
+    thread.join(20)
+    assert done and done[0]["workers_blocked"] == [0, 1]  # answered at the deadline, showing them held

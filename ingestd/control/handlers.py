@@ -420,7 +420,7 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
                 and int(stats[i]["state"]) == State.RUNNING]
 
     blocked = held()
-    released_by = time.monotonic() + _RELEASE_WAIT_S
+    released_by = min(time.monotonic() + _RELEASE_WAIT_S, ctx.deadline(request))  # never past the caller's wait
     while changes and blocked and lim.insert_blocked() is None and time.monotonic() < released_by:
         time.sleep(0.002)  # the change released them: they clear their mark within a poll (2 ms)
         blocked = held()
