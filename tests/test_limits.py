@@ -94,3 +94,23 @@ def test_a_worker_out_of_descriptors_names_the_limit():
     assert not limits.out_of_fds(OSError(errno.ENOENT, "gone")) and not limits.out_of_fds(ValueError())
     assert "raise LimitNOFILE" in limits.fd_hint("this worker") and str(
         resource.getrlimit(resource.RLIMIT_NOFILE)[0]) in limits.fd_hint("x")
+
+
+def test_a_workers_failure_line_gives_the_hint_also_for_a_wrapped_emfile():
+    """Review: only a bare OSError got the hint; an env that wraps it (its own "could not start")
+    left errno 24 buried in the traceback."""
+    import errno
+
+    from ingestd.collect.worker import failure_message
+
+    try:
+        try:
+            raise OSError(errno.EMFILE, "Too many open files")
+        except OSError as inner:
+            raise RuntimeError("could not start the simulator") from inner
+    except RuntimeError as exc:
+        wrapped = exc
+    line = failure_message(wrapped, inference_mode=True)
+    assert line.startswith("RuntimeError: could not start the simulator") and "out of file descriptors" in line, line
+    assert "raise LimitNOFILE" in failure_message(OSError(errno.EMFILE, "Too many open files"), True)
+    assert "descriptors" not in failure_message(RuntimeError("scene file missing"), True)

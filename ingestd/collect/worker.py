@@ -85,12 +85,7 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         Worker(spec, stats).run()
     except BaseException as exc:  # report everything, then die; the supervisor decides what next
-        message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, spec.inference_mode)
-        part = None if isinstance(exc, EnvFault) else part_of(exc)  # (an EnvFault's message says it)
-        if part is not None:  # first: the stats block keeps the message's first 240 bytes
-            message = f"{part} raised {message}"
-        if out_of_fds(exc):  # (scaled up under a low ulimit: a bare errno 24 said nothing of it)
-            message += fd_hint("this worker")
+        message = failure_message(exc, spec.inference_mode)
         stats.set_error(spec.index, message)
         # logged, not printed: under systemd every line of it is stored at priority err (journal.py)
         log.error("ingestd worker %d (pid %d) failed: %s\n%s", spec.index, os.getpid(), message,
@@ -98,6 +93,18 @@ def worker_main(spec: WorkerSpec) -> None:
         code = 1
     sys.stderr.flush()
     os._exit(code)  # no finalizers: the parent's zmq/threads are not ours to clean up
+
+
+def failure_message(exc: BaseException, inference_mode: bool) -> str:
+    """The one line a dead worker leaves in its stats block (and the journal): what raised, and
+    the way out where one is known."""
+    message = f"{type(exc).__name__}: {exc}" + autograd_hint(exc, inference_mode)
+    part = None if isinstance(exc, EnvFault) else part_of(exc)  # (an EnvFault's message says it)
+    if part is not None:  # first: the stats block keeps the message's first 240 bytes
+        message = f"{part} raised {message}"
+    if out_of_fds(exc):  # (scaled up under a low ulimit: a bare errno 24 said nothing of it)
+        message += fd_hint("this worker")
+    return message
 
 
 def _child_setup() -> None:

@@ -14,6 +14,7 @@ nested TensorDict is put together from a key plan made once (:mod:`ingestd.repla
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -495,7 +496,7 @@ class ReplayReader(MappedStore):
 
 def _out_of_fds(path: Path, exc: OSError) -> OSError:
     """EMFILE while attaching (a bare errno 24 from the limiter's file said nothing of the cause)."""
-    return OSError(exc.errno, f"{exc.strerror}: cannot attach a reader to {path}" + fd_hint("this process")
+    return OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: cannot attach a reader to {path}" + fd_hint("this process")
                    + "; every open reader holds a few: close() the readers you no longer use (or open them in "
                    "a with block)", exc.filename)
 

@@ -61,7 +61,15 @@ class FdWatch:
 
 
 def out_of_fds(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == errno.EMFILE
+    """Whether ``exc``, or an exception it was raised from or while handling, is EMFILE (an
+    env's own "could not start the simulator" wraps the OSError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def fd_hint(what: str) -> str:
