@@ -351,13 +351,20 @@ def test_a_limiter_change_reply_never_waits_past_the_callers_deadline(monkeypatc
                                                    reader_blocked_s=0.0, reader_waits=0))
     daemon = types.SimpleNamespace(layout=types.SimpleNamespace(limiter=lim, stats=stats),
                                    checked_with=lambda changes: None, adopt=lambda config: None)
-    ctx = types.SimpleNamespace(daemon=daemon, slots=lambda: [0, 1], on_main=lambda fn, deadline: fn(),
+    def on_main(fn, deadline):  # the change itself takes longer than the caller's wait
+        time.sleep(1.5)
+        fn()
+
+    ctx = types.SimpleNamespace(daemon=daemon, slots=lambda: [0, 1], on_main=on_main,
                                 publish=lambda kind, **fields: None,
-                                deadline=lambda request: time.monotonic() + 0.05)
+                                deadline=lambda request: time.monotonic() + 1.0)  # as Context.deadline: from now
     monkeypatch.setattr(handlers, "_RELEASE_WAIT_S", 60.0)
     done = []
-    thread = threading.Thread(target=lambda: done.append(handlers.limiter(ctx, SetLimiter(enabled=False))),
-                              daemon=True)
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: done.append((handlers.limiter(ctx, SetLimiter(enabled=False)),
+                                                          time.monotonic() - started)), daemon=True)
     thread.start()
     thread.join(20)
-    assert done and done[0]["workers_blocked"] == [0, 1]  # answered at the deadline, showing them held
+    assert done and done[0][0]["workers_blocked"] == [0, 1]  # answered, showing them held
+    # at once after the change (its deadline long past), not a fresh wait counted from then (2.5 s)
+    assert done[0][1] < 2.2, done[0][1]

@@ -114,3 +114,23 @@ def test_a_workers_failure_line_gives_the_hint_also_for_a_wrapped_emfile():
     assert line.startswith("RuntimeError: could not start the simulator") and "out of file descriptors" in line, line
     assert "raise LimitNOFILE" in failure_message(OSError(errno.EMFILE, "Too many open files"), True)
     assert "descriptors" not in failure_message(RuntimeError("scene file missing"), True)
+
+
+def test_out_of_fds_follows_the_chain_but_not_past_from_none():
+    import errno
+
+    def raised(outer, inner, cut: bool):
+        try:
+            try:
+                raise inner
+            except BaseException as caught:
+                if cut:
+                    raise outer from None
+                raise outer from caught
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            return exc
+
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    assert limits.out_of_fds(raised(RuntimeError("wrapped"), emfile, cut=False))
+    assert not limits.out_of_fds(raised(RuntimeError("cut"), OSError(errno.EMFILE, "x"), cut=True))
+    assert not limits.out_of_fds(raised(RuntimeError("other"), ValueError("no"), cut=False))

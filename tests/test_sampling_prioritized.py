@@ -413,6 +413,88 @@ def test_a_draw_in_one_thread_leaves_a_change_under_way_in_another_alone(shm_dir
             other.close()
 
 
+class _InterruptedAcquire:
+    """A handle's thread lock whose acquire takes it, then a KeyboardInterrupt lands as it returns."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def acquire(self, *args, **kwargs):
+        self.lock.acquire(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    def release(self):
+        self.lock.release()
+
+    def _is_owned(self):
+        return self.lock._is_owned()
+
+
+def test_a_ctrl_c_as_the_tree_lock_is_taken_leaves_nothing_held(shm_dir):
+    """Review: the thread lock was acquired before the try that releases it; a Ctrl-C landing as
+    acquire returned left it held, and every later update on the reader hung."""
+    with make(shm_dir / "r", capacity=64, n=64) as store, ReplayReader(store.path, sampler="prioritized") as r:
+        tree = r._sampling.tree
+        lock, tree._threads = tree._threads, _InterruptedAcquire(tree._threads)
+        with pytest.raises(KeyboardInterrupt):
+            r.update_priorities([0], [2.0])
+        with pytest.raises(KeyboardInterrupt):
+            tree.repair()
+        tree._threads = lock
+        with tree.locked(timeout=0.0):  # neither the thread lock nor the flock was left held
+            pass
+        assert r.update_priorities([0], [2.0]) == 1
+
+
+def test_changes_of_the_tree_do_not_nest(shm_dir):
+    """A nested change's exit would drop the outer one's flock: refused, and the outer holds."""
+    with make(shm_dir / "r", capacity=64, n=64) as store:
+        tree = store._priorities
+        other = PriorityTree.attach(store.path, 64)
+        try:
+            with tree.locked():
+                with pytest.raises(RuntimeError, match="do not nest"), tree.locked():
+                    pass
+                assert not tree.repair()  # nor does a repair run inside a change
+                with pytest.raises(LockBusy), other.locked(timeout=0.0):
+                    pass  # still held
+        finally:
+            other.close()
+
+
+def test_a_forked_child_does_not_inherit_a_held_thread_lock(shm_dir):
+    """Review: a trainer thread mid-update while a DataLoader forks its workers left the child's
+    copy of the thread lock held for good. The child waits for the parent's flock (the lock file
+    is its own in the child) and then gets the lock."""
+    with make(shm_dir / "r", capacity=64, n=64) as store, ReplayReader(store.path, sampler="prioritized") as r:
+        tree = r._sampling.tree
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold():
+            with tree.locked():
+                inside.set()
+                leave.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert inside.wait(10)
+            pid = os.fork()
+            if pid == 0:  # the child: only the forking thread runs here
+                code = 1
+                try:
+                    with tree.locked(timeout=20.0):
+                        code = 0
+                finally:
+                    os._exit(code)
+            time.sleep(0.2)
+        finally:
+            leave.set()
+            holder.join(10)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.parametrize("alpha", [0.6, 1.0, 8.0])
 def test_huge_finite_priorities_keep_the_tree_finite_and_sampling(shm_dir, alpha):
     """32 x 1e307 ** alpha would overflow the tree's total (and every draw after): leaves are capped."""

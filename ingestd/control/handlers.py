@@ -395,13 +395,13 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
         raise RequestError(ErrorCode.UNAVAILABLE, "the rate limiter is not set up yet")
     changes = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
                if getattr(request, f.name) is not None}
+    deadline = ctx.deadline(request)  # once: the change's retries and the wait below share it
     if changes:
         def change() -> None:  # in the main thread, which owns the effective config (a reload races it)
             daemon = ctx.daemon
             config = daemon.checked_with({f"limiter.{key}": value for key, value in changes.items()})
             lim.configure(dataclasses.replace(lim.params, **changes), timeout=_MAIN_LOCK_TRY_S)
             daemon.adopt(config)  # `ingestctl config` shows it; a reload sets the file's values again
-        deadline = ctx.deadline(request)
         while True:  # a trainer stopped while sampling may hold limiter.bin: retry here, not in the main loop
             try:
                 ctx.on_main(change, deadline)
@@ -420,7 +420,7 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
                 and int(stats[i]["state"]) == State.RUNNING]
 
     blocked = held()
-    released_by = min(time.monotonic() + _RELEASE_WAIT_S, ctx.deadline(request))  # never past the caller's wait
+    released_by = min(time.monotonic() + _RELEASE_WAIT_S, deadline)  # never past the caller's wait
     while changes and blocked and lim.insert_blocked() is None and time.monotonic() < released_by:
         time.sleep(0.002)  # the change released them: they clear their mark within a poll (2 ms)
         blocked = held()

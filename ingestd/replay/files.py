@@ -406,13 +406,19 @@ def flocked(fd: int, *, wait: Callable[[], None] | None = None, timeout: float |
     daemon's main thread a ``timeout`` (``LockBusy`` after it: supervision goes on). With
     neither, it blocks (a trainer)."""
     try:  # taken inside the try: a KeyboardInterrupt raised as flock returns must not leave it held
-        if wait is None and timeout is None:  # (unlocking a lock not taken does nothing)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            _poll_flock(fd, wait, timeout, name)
+        take_flock(fd, wait=wait, timeout=timeout, name=name)  # (unlocking a lock not taken does nothing)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def take_flock(fd: int, *, wait: Callable[[], None] | None = None, timeout: float | None = None,
+               name: str = "a lock file") -> None:
+    """Take the exclusive ``flock`` of :func:`flocked`, without releasing it."""
+    if wait is None and timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    else:
+        _poll_flock(fd, wait, timeout, name)
 
 
 _LOCK_WARN_S = 5.0  # a wait this long is logged once (naming the file)

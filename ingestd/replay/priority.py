@@ -42,6 +42,8 @@ import fcntl
 import mmap
 import os
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +63,7 @@ TOP_NODES = 4096  # descend() searches the widest level of at most this many nod
 # children @ _EXCLUSIVE: per row, the sum of the children before each child
 _EXCLUSIVE = np.triu(np.ones((K, K)), 1)
 _NUMPY_ROWS = 512  # numpy's BLAS goes multithreaded above ~1k rows, and stalls on a busy machine
+_trees: "weakref.WeakSet[PriorityTree]" = weakref.WeakSet()  # given fresh thread locks in a forked child
 assert K == 16  # descend() counts K booleans as two 64-bit words
 
 
@@ -113,7 +116,8 @@ class PriorityTree:
         self._prefix_t = torch.zeros(sizes[self._top] + 1, dtype=torch.float64)  # 0, then the top's prefix sums
         self._prefix = self._prefix_t.numpy()
         self._lock_fd = files.open_lock_file(self.path / LOCK, os.O_RDWR | os.O_CREAT, owner=self)
-        self._threads = threading.Lock()  # taken before the flock: see locked()
+        self._threads = threading.RLock()  # taken before the flock (see locked()); never re-entered
+        _trees.add(self)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -168,23 +172,48 @@ class PriorityTree:
         thread of this process or by another process), the change under way is live, or its
         holder's next change repairs it, and the draw goes on (its descent is validated as any
         descent racing a change). One non-blocking ``flock`` call, no exception object built."""
-        if not self._threads.acquire(blocking=False):
+        if self._threads._is_owned():  # inside this thread's own change: never under it
             return False
         try:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not self._threads.acquire(blocking=False):
                 return False
-            try:
-                if not self._header[H_CHANGING]:
-                    return False
-                self._resum_all()
-                self._header[H_CHANGING] = 0
-                return True
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not self._header[H_CHANGING]:
+                return False
+            self._resum_all()
+            self._header[H_CHANGING] = 0
+            return True
+        except BlockingIOError:
+            return False
         finally:
-            self._threads.release()
+            self._let_go()
+
+    def _take(self, wait: Callable[[], None] | None, timeout: float | None) -> None:
+        """The handle's thread lock, then the flock, ``timeout`` for both together. However a
+        KeyboardInterrupt falls (even as an acquire returns), neither is left held: an RLock
+        knows whether this thread owns it, so the handler releases only what it took."""
+        threads, name = self._threads, str(self.path / LOCK)
+        if threads._is_owned():  # a nested change's exit would drop the outer change's flock
+            raise RuntimeError(f"{name} is already held by this thread: changes of the priority tree do not nest")
+        start = time.monotonic()
+        try:
+            if not threads.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise LockBusy(f"{name} is held by another thread of this process for {timeout:.1f} s; try again")
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            files.take_flock(self._lock_fd, wait=wait, timeout=left, name=name)
+        except BaseException:
+            self._let_go()
+            raise
+
+    def _let_go(self) -> None:
+        """Release what :meth:`_take` (or :meth:`repair`) took. While this thread owns the
+        thread lock no other thread of the handle holds the flock, so unlocking it is safe
+        whether or not it was taken (unlocking a lock not held does nothing)."""
+        if self._threads._is_owned():
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                self._threads.release()
 
     @property
     def max_leaf(self) -> float:
@@ -393,28 +422,26 @@ def _fill(tmp: Path, capacity: int, seq: np.ndarray | None) -> None:
 
 
 class _HandleLock:
-    """:meth:`PriorityTree.locked`: the handle's thread lock, then ``priority.lock``'s flock
-    (a class, not a generator: a worker takes it once a chunk)."""
+    """:meth:`PriorityTree.locked` (a class, not a generator: a worker takes it once a chunk)."""
 
-    __slots__ = ("_tree", "_wait", "_timeout", "_flock")
+    __slots__ = ("_tree", "_wait", "_timeout")
 
     def __init__(self, tree: PriorityTree, wait: Callable[[], None] | None, timeout: float | None):
-        self._tree, self._wait, self._timeout, self._flock = tree, wait, timeout, None
+        self._tree, self._wait, self._timeout = tree, wait, timeout
 
     def __enter__(self) -> None:
-        tree, timeout = self._tree, self._timeout
-        if not tree._threads.acquire(timeout=-1 if timeout is None else timeout):
-            raise LockBusy(f"{tree.path / LOCK} is held by another thread of this process for "
-                           f"{timeout:.1f} s; try again")
-        try:
-            self._flock = files.flocked(tree._lock_fd, wait=self._wait, timeout=timeout, name=str(tree.path / LOCK))
-            self._flock.__enter__()
-        except BaseException:
-            tree._threads.release()
-            raise
+        self._tree._take(self._wait, self._timeout)
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._flock.__exit__(*exc)
-        finally:
-            self._tree._threads.release()
+        self._tree._let_go()
+
+
+def _fresh_thread_locks() -> None:
+    """A forked child (a DataLoader worker) gets its own thread locks: one copied while a parent
+    thread held it would stay held in the child for good (its flock is reopened as its own:
+    ``files.open_lock_file``)."""
+    for tree in list(_trees):
+        tree._threads = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_thread_locks)

@@ -130,7 +130,7 @@ class ReplayReader(MappedStore):
                                       rate_limited)
         except BaseException as exc:
             super().close()
-            if out_of_fds(exc):
+            if isinstance(exc, Exception) and out_of_fds(exc):  # (never turn a KeyboardInterrupt into this)
                 raise _out_of_fds(self._attached_at, exc) from None
             raise
 
@@ -494,11 +494,11 @@ class ReplayReader(MappedStore):
         super().close()
 
 
-def _out_of_fds(path: Path, exc: OSError) -> OSError:
+def _out_of_fds(path: Path, exc: BaseException) -> OSError:
     """EMFILE while attaching (a bare errno 24 from the limiter's file said nothing of the cause)."""
     return OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: cannot attach a reader to {path}" + fd_hint("this process")
                    + "; every open reader holds a few: close() the readers you no longer use (or open them in "
-                   "a with block)", exc.filename)
+                   "a with block)", getattr(exc, "filename", None))
 
 
 def _attach(path: str, options: dict, seed: int | None = None) -> ReplayReader:

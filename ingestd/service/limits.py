@@ -68,7 +68,7 @@ def out_of_fds(exc: BaseException) -> bool:
         if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ if exc.__suppress_context__ else (exc.__cause__ or exc.__context__)  # (from None: cut)
     return False
 
 
