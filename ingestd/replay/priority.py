@@ -147,15 +147,18 @@ class PriorityTree:
         so the handle's threads also take a thread lock first (two trainer threads updating
         through one reader were not serialised, and a draw's repair could take the flock another
         thread held and release it mid-change)."""
-        return _HandleLock(self, wait, timeout)
+        return _HandleLock(self, wait, timeout, change=False)
+
+    def _changing(self, wait: Callable[[], None] | None = None, timeout: float | None = None):
+        """:meth:`locked`, for a change of the tree, marked in the header while it lasts. A
+        change cut short (a KeyboardInterrupt in a trainer's ``update_priorities``, a process
+        killed between writing leaves and re-summing their ancestors) leaves the mark, and the
+        next change or draw re-sums the whole tree first: stale ancestors (biased draws, a total
+        that is not the leaves' sum) lasted until the daemon's next start (trainer review)."""
+        return _HandleLock(self, wait, timeout, change=True)
 
     def _begin_change(self) -> None:
-        """Under the lock: mark a change under way in the header. A change cut short (a
-        KeyboardInterrupt in a trainer's ``update_priorities``, a process killed between writing
-        leaves and re-summing their ancestors) leaves the mark, and the next change or draw
-        re-sums the whole tree first: stale ancestors (biased draws, a total that is not the
-        leaves' sum) lasted until the daemon's next start (trainer review). The change clears
-        the mark as its last step, still under the lock."""
+        """Under the lock: repair a change cut short, then mark this one under way."""
         if self._header[H_CHANGING]:
             self._resum_all()
         self._header[H_CHANGING] = 1
@@ -228,12 +231,10 @@ class PriorityTree:
         enter at the current maximum priority, by slices: one run, or two where they wrap."""
         if n <= 0:
             return
-        with self.locked(wait):
-            self._begin_change()
+        with self._changing(wait):
             for run, _ in files.segments(first, n, self.capacity):
                 self.levels[0][run] = self._max[0]
                 self._propagate_run(run.start, run.stop)
-            self._header[H_CHANGING] = 0
 
     def vacate(self, first: int, n: int) -> None:
         """Slots just reserved for new rows: their leaves (the overwritten rows' priorities) are
@@ -259,19 +260,17 @@ class PriorityTree:
             raise ValueError("priorities must be finite and >= 0")
         if expected_seq is not None and np.size(expected_seq) != slots.size:
             raise ValueError(f"{slots.size} indices but {np.size(expected_seq)} write indices")
-        with self.locked(timeout=timeout):
+        with self._changing(timeout=timeout):
             if seq is not None:
                 keep = seq[slots] == expected_seq
                 slots, leaves = slots[keep], leaves[keep]
             if slots.size == 0:
                 return 0
-            self._begin_change()
             self.levels[0][slots] = leaves
             top = float(leaves.max())
             if top > self._max[0]:
                 self._max[0] = top
             self._propagate(np.sort(slots))
-            self._header[H_CHANGING] = 0
         return int(slots.size)
 
     def reset_max(self, leaf: float | None = None, timeout: float | None = None) -> float:
@@ -291,11 +290,9 @@ class PriorityTree:
         """Make slots unsampleable (rows cleared by recovery)."""
         slots = np.sort(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size:
-            with self.locked(wait):
-                self._begin_change()
+            with self._changing(wait):
                 self.levels[0][slots] = 0.0
                 self._propagate(slots)
-                self._header[H_CHANGING] = 0
 
     def resum(self, timeout: float | None = None) -> None:
         """Re-sum every node from the leaves (a few ms at 1M slots): after writers died between
@@ -422,18 +419,31 @@ def _fill(tmp: Path, capacity: int, seq: np.ndarray | None) -> None:
 
 
 class _HandleLock:
-    """:meth:`PriorityTree.locked` (a class, not a generator: a worker takes it once a chunk)."""
+    """:meth:`PriorityTree.locked` and, with ``change``, :meth:`PriorityTree._changing` (a
+    class, not a generator: a worker takes it once a chunk). The change's mark is cleared only
+    when its block ends without an exception: one cut short keeps it, for the next to repair."""
 
-    __slots__ = ("_tree", "_wait", "_timeout")
+    __slots__ = ("_tree", "_wait", "_timeout", "_change")
 
-    def __init__(self, tree: PriorityTree, wait: Callable[[], None] | None, timeout: float | None):
-        self._tree, self._wait, self._timeout = tree, wait, timeout
+    def __init__(self, tree: PriorityTree, wait: Callable[[], None] | None, timeout: float | None, change: bool):
+        self._tree, self._wait, self._timeout, self._change = tree, wait, timeout, change
 
     def __enter__(self) -> None:
-        self._tree._take(self._wait, self._timeout)
+        tree = self._tree
+        tree._take(self._wait, self._timeout)
+        if self._change:
+            try:
+                tree._begin_change()
+            except BaseException:
+                tree._let_go()
+                raise
 
-    def __exit__(self, *exc) -> None:
-        self._tree._let_go()
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if self._change and exc_type is None:
+                self._tree._header[H_CHANGING] = 0
+        finally:
+            self._tree._let_go()
 
 
 def _fresh_thread_locks() -> None:
