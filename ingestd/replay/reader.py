@@ -14,7 +14,6 @@ nested TensorDict is put together from a key plan made once (:mod:`ingestd.repla
 """
 from __future__ import annotations
 
-import errno
 import math
 import os
 import time
@@ -33,7 +32,7 @@ from ingestd.replay.inputs import (available_memory, child_seed, file_identity, 
                                    wait_deadline)
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
-from ingestd.service.limits import fd_hint, out_of_fds
+from ingestd.service.limits import attach_out_of_fds
 
 _REDRAW_ROUNDS = 64  # rejection rounds (by seqlock, no copy) over [0, len) before scanning for committed slots
 _MAX_ROUNDS = 1024  # then give up: rows keep changing faster than they can be copied
@@ -98,8 +97,8 @@ class ReplayReader(MappedStore):
             # the daemon's data dir given for its replay (replay.path defaults to <data_dir>/replay)
             raise StorageNotFound(f"{exc}; did you mean {str(inner)!r}?") from None
         except OSError as exc:
-            if out_of_fds(exc):
-                raise _out_of_fds(self._attached_at, exc) from None
+            if (refused := attach_out_of_fds(self._attached_at, exc)) is not None:
+                raise refused from None
             raise
         self._next_attach_check = 0.0
         self._replaced: str | None = None
@@ -130,8 +129,8 @@ class ReplayReader(MappedStore):
                                       rate_limited)
         except BaseException as exc:
             super().close()
-            if isinstance(exc, Exception) and out_of_fds(exc):  # (never turn a KeyboardInterrupt into this)
-                raise _out_of_fds(self._attached_at, exc) from None
+            if (refused := attach_out_of_fds(self._attached_at, exc)) is not None:
+                raise refused from None
             raise
 
     def __reduce__(self):
@@ -492,13 +491,6 @@ class ReplayReader(MappedStore):
             sampling.close()
         self._columns = []
         super().close()
-
-
-def _out_of_fds(path: Path, exc: BaseException) -> OSError:
-    """EMFILE while attaching (a bare errno 24 from the limiter's file said nothing of the cause)."""
-    return OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: cannot attach a reader to {path}" + fd_hint("this process")
-                   + "; every open reader holds a few: close() the readers you no longer use (or open them in "
-                   "a with block)", getattr(exc, "filename", None))
 
 
 def _attach(path: str, options: dict, seed: int | None = None) -> ReplayReader:

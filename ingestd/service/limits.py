@@ -72,6 +72,17 @@ def out_of_fds(exc: BaseException) -> bool:
     return False
 
 
+def attach_out_of_fds(path, exc: BaseException) -> OSError | None:
+    """What a ``ReplayReader`` that could not attach to ``path`` raises instead of ``exc`` when it
+    ran out of descriptors (a bare errno 24 from the limiter's file said nothing of the cause);
+    None otherwise (a KeyboardInterrupt is never turned into this)."""
+    if not (isinstance(exc, Exception) and out_of_fds(exc)):
+        return None
+    return OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: cannot attach a reader to {path}"
+                   + fd_hint("this process") + "; every open reader holds a few: close() the readers you no "
+                   "longer use (or open them in a with block)", getattr(exc, "filename", None))
+
+
 def fd_hint(what: str) -> str:
     """What to say when ``what`` ran out of descriptors (EMFILE), with the limit in effect."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
