@@ -22,7 +22,7 @@ from ingestd import BadReply, BadWeights, ClosedError, CommandFailed, ControlCli
 from ingestd.collect.envs.checksum import verify_rows
 from ingestd.control.client import EventStream
 from ingestd.control.commands import Snapshot
-from ingestd.control.handlers import _free_name
+from ingestd.control.replay_handlers import _free_name
 from ingestd.control.protocol import decode_reply, encode_header
 from ingestd.weights.wire import encode
 

@@ -339,7 +339,7 @@ def test_a_limiter_change_reply_never_waits_past_the_callers_deadline(monkeypatc
     import numpy as np
 
     from ingestd.collect.stats import RECORD, State
-    from ingestd.control import handlers
+    from ingestd.control import replay_handlers
     from ingestd.control.commands import SetLimiter
 
     stats = np.zeros(2, dtype=RECORD)
@@ -358,10 +358,10 @@ def test_a_limiter_change_reply_never_waits_past_the_callers_deadline(monkeypatc
     ctx = types.SimpleNamespace(daemon=daemon, slots=lambda: [0, 1], on_main=on_main,
                                 publish=lambda kind, **fields: None,
                                 deadline=lambda request: time.monotonic() + 1.0)  # as Context.deadline: from now
-    monkeypatch.setattr(handlers, "_RELEASE_WAIT_S", 60.0)
+    monkeypatch.setattr(replay_handlers, "_RELEASE_WAIT_S", 60.0)
     done = []
     started = time.monotonic()
-    thread = threading.Thread(target=lambda: done.append((handlers.limiter(ctx, SetLimiter(enabled=False)),
+    thread = threading.Thread(target=lambda: done.append((replay_handlers.limiter(ctx, SetLimiter(enabled=False)),
                                                           time.monotonic() - started)), daemon=True)
     thread.start()
     thread.join(20)

@@ -80,7 +80,7 @@ def _interleaved_rows(n: int, order: list[str], gap: int = 0) -> TensorDict:
 ])
 def test_leaves_side_by_side_in_memory_are_packed_as_one_item_and_read_back_exactly(shm_dir, order, gap, runs):
     from ingestd.replay import packing
-    from ingestd.replay.storage import flat_leaves
+    from ingestd.replay.schema import flat_leaves
 
     n = 48
     rows = _interleaved_rows(n, order, gap)
@@ -116,7 +116,7 @@ def test_leaves_adjacent_in_memory_at_another_row_stride_are_not_merged(shm_dir)
     rows.set(("ingestd", "episode"), buf[1:n + 1])
     with ReplayStorage.create(shm_dir / "r", rows, capacity=8) as store:
         from ingestd.replay import packing
-        from ingestd.replay.storage import flat_leaves
+        from ingestd.replay.schema import flat_leaves
         planned = [keys for _, _, keys, _ in packing.runs(store._plan, flat_leaves(rows), n, {WI: None})]
         assert [("ingestd", "env")] in planned and [("ingestd", "episode")] in planned
         _check_round_trip(store, shm_dir / "r", rows)
@@ -151,7 +151,7 @@ def test_narrow_leaves_are_gathered_and_packed_in_blocks_exactly(shm_dir, monkey
     array, and the records a block at a time: blocks of 8 rows here, batches of several
     blocks and a part, one of them wrapping the ring, all read back exactly."""
     from ingestd.replay import packing
-    from ingestd.replay.storage import flat_leaves
+    from ingestd.replay.schema import flat_leaves
 
     monkeypatch.setattr(packing, "BLOCK_BYTES", 8 * 128)  # 8 records of 128 bytes a block
 
@@ -1095,7 +1095,7 @@ def test_a_storage_whose_priority_tree_does_not_fit_leaves_nothing_and_says_the_
     need, and a lower replay.capacity then failed on the half-made storage again."""
     from ingestd.errors import StorageFull
     from ingestd.replay import files, priority
-    from ingestd.replay.storage import schema_of
+    from ingestd.replay.schema import schema_of
 
     capacity = 1 << 16
     schema = schema_of(rp.spec("cartpole"))

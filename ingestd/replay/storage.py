@@ -22,7 +22,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -33,7 +33,8 @@ from ingestd.errors import (CapacityMismatch, ClosedError, CorruptStorage, LockB
 from ingestd.replay import files
 from ingestd.replay import limiter, nstep_record, packing, priority
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.layout import WRITE_INDEX, Key, Leaf, as_key, dtype_from_name, with_stamps
+from ingestd.replay.layout import WRITE_INDEX, Key, Leaf
+from ingestd.replay.schema import describe_diff, flat_leaves, schema_of
 
 log = logging.getLogger("ingestd.replay")
 
@@ -41,25 +42,6 @@ log = logging.getLogger("ingestd.replay")
 def storage_bytes(schema: dict[Key, Leaf], capacity: int) -> int:
     """The bytes a storage of ``schema`` and ``capacity`` takes: its files and its priority tree."""
     return files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
-
-
-def schema_of(example_or_spec: TensorDictBase | Mapping) -> dict[Key, Leaf]:
-    """A schema from an example TensorDict (one row, or a batch of rows) or from a
-    ``{key: (shape, dtype)}`` mapping. The ingestd stamps are always added."""
-    schema: dict[Key, Leaf] = {}
-    if isinstance(example_or_spec, TensorDictBase):
-        skip = 1 if example_or_spec.batch_dims else 0
-        for key, value in example_or_spec.items(include_nested=True, leaves_only=True):
-            schema[as_key(key)] = Leaf(tuple(value.shape[skip:]), value.dtype)
-    else:
-        for key, spec in example_or_spec.items():
-            if isinstance(spec, Leaf):
-                schema[as_key(key)] = spec
-                continue
-            shape, dtype = spec
-            dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
-            schema[as_key(key)] = Leaf(tuple(int(s) for s in shape), dtype)
-    return with_stamps(schema)
 
 
 class MappedStore:
@@ -485,21 +467,3 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the same view of the same memory (copying one to the other is a no-op)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride())
-
-
-def describe_diff(have: Mapping[Key, Leaf], want: Mapping[Key, Leaf]) -> str:
-    parts = []
-    if missing := sorted(set(want) - set(have)):
-        parts.append(f"keys not stored {missing}")
-    if extra := sorted(set(have) - set(want)):
-        parts.append(f"stored keys not produced {extra}")
-    for key in sorted(set(have) & set(want)):
-        if have[key] != want[key]:
-            parts.append(f"{key}: stored {have[key].shape} {have[key].dtype}, "
-                         f"produced {want[key].shape} {want[key].dtype}")
-    return "; ".join(parts)
-
-
-def flat_leaves(td: TensorDictBase) -> dict[Key, torch.Tensor]:
-    """``{key tuple: tensor}`` for every leaf of ``td``."""
-    return {k if type(k) is tuple else (k,): v for k, v in td.items(include_nested=True, leaves_only=True)}

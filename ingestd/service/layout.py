@@ -117,7 +117,7 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
     except SchemaMismatch as exc:
         from ingestd.collect.nstep import STEPS_KEY
         from ingestd.replay.files import read_meta
-        from ingestd.replay.storage import schema_of
+        from ingestd.replay.schema import schema_of
 
         stored = (STEPS_KEY,) in read_meta(Path(path))["schema"]  # (read fine: the open got past it)
         if stored != ((STEPS_KEY,) in schema_of(example)):  # n-step rows carry it, 1-step rows do not

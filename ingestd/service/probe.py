@@ -52,7 +52,8 @@ def replay_room(config, paths, rows) -> str:
     pixel replay on a 24 GB tmpfs); elsewhere the line says what the file system reports, and the
     allocation at start decides."""
     from ingestd.replay import files
-    from ingestd.replay.storage import schema_of, storage_bytes
+    from ingestd.replay.schema import schema_of
+    from ingestd.replay.storage import storage_bytes
 
     replay, capacity = Path(paths.replay), config.replay.capacity
     try:
