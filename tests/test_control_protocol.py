@@ -603,7 +603,10 @@ class _MainLoop:
             if future.set_running_or_notify_cancel():
                 time.sleep(self.run_for)
                 self.ran += 1
-                future.set_result(fn())
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # as the daemon's main loop hands it back
+                    future.set_exception(exc)
         if self.take_after is not None:
             self._threading.Thread(target=main, daemon=True).start()
         return future
@@ -626,6 +629,36 @@ def test_a_command_taken_by_the_main_loop_is_not_reported_as_not_taken():
     with pytest.raises(RequestError, match="it was not run") as err:
         ctx.on_main(lambda: "done", time.monotonic() + 0.1)
     assert err.value.code == "timeout" and never.ran == 0
+
+
+def test_a_lock_busy_raised_on_the_main_thread_reaches_the_handler():
+    """``LockBusy`` is a ``TimeoutError``, as is the futures' wait timeout: a limiter change that
+    found ``limiter.bin`` locked by a stopped trainer was taken for a wait that ran out, re-raised
+    in a loop with no sleep until the daemon stopped (no reply, a pool thread at 100 % CPU, its
+    traceback growing to GBs). It must come back to the handler, which answers ``busy``."""
+    import threading
+    import time
+
+    from ingestd.control.context import Context
+    from ingestd.errors import LockBusy
+
+    def change():
+        raise LockBusy("limiter.bin is locked by a trainer")
+
+    ctx = Context(daemon=_MainLoop(take_after=0.0), events_address="", publish=lambda *a, **k: None)
+    raised = []
+
+    def call():
+        try:
+            ctx.on_main(change, time.monotonic() + 0.5)
+        except LockBusy as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(10)
+    ctx.stopping.set()  # (ends the loop of a build without the fix)
+    assert raised and "locked by a trainer" in str(raised[0])
 
 
 def test_fast_handlers_never_wait_for_the_main_thread():

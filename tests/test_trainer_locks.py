@@ -230,3 +230,30 @@ def test_an_interrupt_as_the_lock_is_taken_leaves_it_free(shm_dir, monkeypatch, 
         finally:
             os.close(fd)
         lim.close()
+
+
+def test_a_limiter_change_while_a_trainer_holds_limiter_bin_answers_busy():
+    """A trainer stopped inside a sample holds ``limiter.bin``: ``ingestctl limiter --spi 2`` got no
+    reply (the main thread's ``LockBusy``, a ``TimeoutError``, was taken for the futures' wait
+    running out and re-raised in a loop until the daemon stopped), and the client gave up after
+    its 5 s while the daemon retried for its 10 (control review). It gets ``busy`` within its
+    own wait, the daemon keeps answering, and the change goes through once the trainer lets go."""
+    from daemon_proc import DaemonProc
+
+    from ingestd.control.client import ControlClient
+    from ingestd.errors import CommandFailed
+
+    with DaemonProc(overrides={"workers.count": 1}) as d:
+        d.wait_ready()
+        held = Held(d.replay_path / LIMITER_FILE)
+        try:
+            with ControlClient(d.control_address, timeout=3, ack_timeout=1.0) as client:
+                started = time.monotonic()
+                with pytest.raises(CommandFailed, match="limiter.bin") as err:
+                    client.limiter(samples_per_insert=3.0)
+                assert err.value.code == "busy" and time.monotonic() - started < 8
+                assert client.status().workers  # the daemon still answers
+        finally:
+            held.release()
+        with ControlClient(d.control_address, timeout=10) as client:
+            assert client.limiter(samples_per_insert=3.0).samples_per_insert == 3.0

@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     switch = cmd.add_mutually_exclusive_group()
     switch.add_argument("--enable", dest="enabled", action="store_true", default=None)
     switch.add_argument("--disable", dest="enabled", action="store_false")
+    cmd.add_argument("--wait", type=float, metavar="S",
+                     help="how long a change retries a limiter file a trainer holds (default 10)")
     cmd = sub.add_parser("profile", help="record a torch profiler trace of worker W; prints the trace path")
     cmd.add_argument("worker", type=int, metavar="W")
     cmd.add_argument("--seconds", type=float, default=None, metavar="S",
@@ -352,7 +354,7 @@ def _profile(client, args, out: Output) -> int:
 def _limiter(client, args, out: Output) -> int:
     names = ("enabled", "min_size", "samples_per_insert", "min_diff", "max_diff")
     changes = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    s = client.limiter(**changes)
+    s = client.limiter(timeout_s=args.wait, **changes)
 
     def text() -> str:
         lag = "-" if s.sampled_policy_lag is None else "/".join(f"{v:g}" for v in s.sampled_policy_lag)

@@ -260,12 +260,15 @@ class ControlClient:
                                                                               seconds=float(seconds))
         return Profiled.from_json(self.call(request))
 
-    def limiter(self, **changes: Any):
+    def limiter(self, timeout_s: float | None = None, **changes: Any):
         """The rate limiter's state; keyword arguments (``enabled``, ``min_size``,
-        ``samples_per_insert``, ``min_diff``, ``max_diff``) change it live first."""
+        ``samples_per_insert``, ``min_diff``, ``max_diff``) change it live first. A change
+        that finds the limiter's file locked by a trainer (stopped inside a sample) is retried
+        for ``timeout_s`` (``ack_timeout``), then fails with ``busy``."""
         from ingestd.control.commands import LimiterState, SetLimiter
 
-        return LimiterState.from_json(self.call(SetLimiter(**changes)))
+        wait = self._wait(timeout_s) if changes else None  # a read answers at once
+        return LimiterState.from_json(self.call(SetLimiter(timeout_s=wait, **changes)))
 
     def reload(self) -> Reloaded:
         """Re-read the daemon's config file and apply what can change live."""

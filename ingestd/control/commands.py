@@ -242,9 +242,13 @@ def _number(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class SetLimiter(Request):
-    """Read the rate limiter, or change it live (only the arguments given; checked as a whole)."""
+    """Read the rate limiter, or change it live (only the arguments given; checked as a whole).
+    ``timeout_s``: how long a change may retry a ``limiter.bin`` a trainer holds before the
+    reply says ``busy`` (the daemon's ``ack_timeout_s`` if None); a client sends its own, so
+    it waits as long as the daemon may."""
 
     cmd: ClassVar[str] = "limiter"
+    timeout_s: float | None = _timeout()
     enabled: bool | None = arg(None, _optional(_bool))
     min_size: int | None = arg(None, _optional(_int(0, 2**62)))
     samples_per_insert: float | None = arg(None, _optional(_number))

@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 from collections import deque
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -193,14 +193,15 @@ class Context:
         future = self.daemon.submit(fn)
         while True:
             self._check_stopping()
-            try:
-                left = deadline - time.monotonic()
-                return future.result(timeout=min(0.05, left) if left > 0 else 0.05)  # taken late: wait on
-            except FutureTimeout:
-                if time.monotonic() >= deadline and future.cancel():
-                    raise RequestError(ErrorCode.TIMEOUT, "the daemon's main loop did not take the command "
-                                                          "before the deadline (is it overloaded?); it was "
-                                                          "not run") from None
+            left = deadline - time.monotonic()
+            # (waited for, then read: fn's own TimeoutError, a LockBusy, is no wait that ran out; taken
+            # for one, it was re-raised forever, its traceback growing by a frame a pass)
+            if wait_futures([future], timeout=min(0.05, left) if left > 0 else 0.05).done:  # taken late: wait on
+                return future.result()
+            if time.monotonic() >= deadline and future.cancel():
+                raise RequestError(ErrorCode.TIMEOUT, "the daemon's main loop did not take the command "
+                                                      "before the deadline (is it overloaded?); it was "
+                                                      "not run") from None
 
     def _check_stopping(self) -> None:
         if self.stopping.is_set():

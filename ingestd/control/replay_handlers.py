@@ -30,7 +30,7 @@ def limiter(ctx: Context, request: SetLimiter) -> dict:
     if lim is None:
         raise RequestError(ErrorCode.UNAVAILABLE, "the rate limiter is not set up yet")
     changes = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
-               if getattr(request, f.name) is not None}
+               if f.name != "timeout_s" and getattr(request, f.name) is not None}
     deadline = ctx.deadline(request)  # once: the change's retries and the wait below share it
     if changes:
         def change() -> None:  # in the main thread, which owns the effective config (a reload races it)
