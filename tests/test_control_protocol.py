@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from ingestd import BadReply, BadWeights, CommandFailed
 from ingestd.control import curve
 from ingestd.control.commands import (
-    COMMANDS, GetStatus, Pause, Pong, PushWeights, Reloaded, Restart, Scale, Snapshot, Status,
+    COMMANDS, GetStatus, Pause, Pong, Profile, PushWeights, Reloaded, Restart, Scale, SetLimiter, Snapshot, Status,
 )
 from ingestd.control.protocol import (
     ErrorCode, Limits, RequestError, decode_reply, encode_error, encode_header, encode_result, parse_header, peek_id,
@@ -70,6 +70,10 @@ def test_any_bytes_parse_or_fail_cleanly(frame):
     (Pause, {"timeout_s": 2}, [], Pause(timeout_s=2.0)),
     (Pause, {"timeout_s": float("inf")}, [], None),
     (Pause, {"timeout_s": -1}, [], None),
+    (Pause, {"timeout_s": 10**400}, [], None),  # too large for a float: OverflowError, an "internal" reply
+    (Profile, {"worker": 0, "seconds": 10**400}, [], None),
+    (SetLimiter, {"min_diff": -10**400}, [], None),
+    (SetLimiter, {"min_diff": -10.0, "timeout_s": 2}, [], SetLimiter(min_diff=-10.0, timeout_s=2.0)),
     (Pause, {}, [b"x"], None),
     (Restart, {"workers": [2, 0, 2]}, [], Restart(workers=(0, 2))),
     (Restart, {"workers": []}, [], None),

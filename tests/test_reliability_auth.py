@@ -175,3 +175,28 @@ def test_key_socket_and_state_file_modes(curve_daemon, daemon):
     assert mode & 0o007 == 0, oct(mode)
     checked["runtime dir"] = oct(mode)
     record("7 file modes", **checked)
+
+
+def test_an_ipc_socket_file_bound_again_takes_local_tools_without_keys(curve_daemon):
+    """A daemon on a CURVE tcp bind also listens at its local ipc sockets without keys. Their
+    files deleted (systemd-tmpfiles, a tidy operator), it binds them again, on a socket that is a
+    CURVE server by then: the new listener demanded keys, so ``ingestctl`` and ExecReload got
+    no answer from the file bound again for them (control review)."""
+    d, _, keys = curve_daemon
+    control, events = d.runtime_dir / "control.sock", d.runtime_dir / "events.sock"
+    with ControlClient(f"ipc://{control}", timeout=5.0) as c:
+        assert c.ping()["pong"]
+    before = {p: p.stat().st_ino for p in (control, events)}
+    for path in before:
+        path.unlink()
+    wait_for(lambda: all(p.exists() and p.stat().st_ino != ino for p, ino in before.items()), 20,
+             "the daemon to bind its socket files again", 0.1)
+    with ControlClient(f"ipc://{control}", timeout=5.0) as c:  # no keys: a local tool
+        assert c.ping()["pong"]
+        with EventStream(f"ipc://{events}") as events_in:  # the local events socket too
+            time.sleep(0.3)  # (subscribed before the event goes out)
+            c.pause()
+            assert events_in.next(timeout=5.0) is not None
+        c.resume()
+    with ControlClient(d.control_address, timeout=5.0, curve_keys=keys) as c:  # tcp still takes CURVE
+        assert c.ping()["pong"]

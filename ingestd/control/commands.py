@@ -24,7 +24,10 @@ Check = Callable[[str, Any], Any]
 
 
 def _fail(name: str, expected: str, value: Any) -> RequestError:
-    shown = repr(value)
+    try:
+        shown = repr(value)
+    except ValueError:  # an integer of more digits than Python prints (sys.get_int_max_str_digits)
+        shown = "an integer too large to show"
     shown = shown if len(shown) <= 60 else shown[:60] + "..."
     return RequestError(ErrorCode.BAD_REQUEST, f"argument {name!r} must be {expected}, got {shown}")
 
@@ -43,13 +46,25 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a float if it is a finite number (not a bool), else None: also an integer
+    too large for a float (``math.isfinite(10**400)`` raises OverflowError: an ``internal`` reply)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _seconds(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= MAX_WAIT_S:
+    number = _finite(value)
+    if number is None or not 0 < number <= MAX_WAIT_S:
         raise _fail(name, f"null or a number of seconds in (0, {MAX_WAIT_S:g}]", value)
-    return float(value)
+    return number
 
 
 def _workers(name: str, value: Any) -> tuple[int, ...] | None:
@@ -204,10 +219,10 @@ MAX_PROFILE_S = profiling.MAX_SECONDS
 
 
 def _profile_seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= MAX_PROFILE_S:
+    number = _finite(value)
+    if number is None or not 0 < number <= MAX_PROFILE_S:
         raise _fail(name, f"a number of seconds in (0, {MAX_PROFILE_S:g}]", value)
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)
@@ -235,9 +250,10 @@ def _optional(check: Check) -> Check:
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    number = _finite(value)
+    if number is None:
         raise _fail(name, "a finite number", value)
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)
