@@ -1,4 +1,6 @@
-"""Supervisor hang detection, driven by a fake clock with real (sleeping) processes as workers."""
+"""Supervisor hang detection, driven by a fake clock with real (sleeping) processes as workers; the
+worker processes' lifecycle around it (forked to die with the daemon, a fresh stats block, the
+worker loop's weights and limiter hold)."""
 from __future__ import annotations
 
 import subprocess
@@ -351,6 +353,46 @@ def test_forked_workers_run_their_atexit_handlers_as_the_stdlib_fork_does(tmp_pa
     assert outcomes[0] == outcomes[1], outcomes
 
 
+_FORK_THEN_DIE = """
+import os, signal, sys, time
+from ingestd.service.forking import ForkContext
+child = ForkContext.Process(target=time.sleep, args=(60,))
+child.start()
+with open(sys.argv[1], "w") as f:
+    f.write(str(child.pid))
+os.kill(os.getpid(), signal.SIGKILL)  # the daemon SIGKILLed (the OOM killer) right after a fork
+"""
+
+
+def test_a_worker_forked_just_before_the_daemon_is_sigkilled_dies_with_it(tmp_path):
+    """PDEATHSIG was set in the worker's setup, ~10 ms after the fork: a daemon SIGKILLed in
+    between left 1 worker in 10 running for ever, writing into the replay the next daemon took
+    (lifecycle review). It is set straight after the fork, and a child whose parent is already
+    gone exits."""
+    import os
+    import signal
+    import sys
+
+    from daemon_proc import wait_for
+
+    from ingestd.collect.stats import pid_alive
+
+    children = []
+    try:
+        for i in range(5):  # (files, not pipes: a surviving child would hold a pipe open)
+            pid_file, err = tmp_path / f"pid{i}", tmp_path / f"err{i}"
+            with open(err, "w") as stderr:
+                code = subprocess.run([sys.executable, "-c", _FORK_THEN_DIE, str(pid_file)], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=stderr, timeout=120).returncode
+            assert code == -signal.SIGKILL and pid_file.exists(), err.read_text()
+            children.append(int(pid_file.read_text()))
+        wait_for(lambda: not any(pid_alive(pid) for pid in children), 10, "the children to die with their parent")
+    finally:
+        for pid in children:
+            if pid_alive(pid):  # (a build without the fix) stopped by its PID
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_stop_overwritten_by_a_racing_pause_is_told_again(sleepers):
     """A pause or resume from the control thread writes every worker's desired word; one that
     raced a scale-down (or a withdrawn one writing back its old value) could replace the stop a
@@ -531,3 +573,63 @@ def test_more_workers_than_cores_is_warned_of_once_per_scale_up(tmp_path, caplog
         assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"{cores + 1} workers on {cores} cores"]
     finally:
         stats.close()
+
+
+def test_a_new_stats_block_is_a_new_file_not_the_old_one_truncated(tmp_path):
+    """A stray worker of an earlier daemon still maps the old stats file: with that file
+    truncated and reused, its pid and heartbeat landed in the new daemon's record of its index."""
+    path = tmp_path / "workers.stats"
+    old = StatsBlock(path, create=True)
+    new = StatsBlock(path, create=True)
+    old[0]["pid"], old[0]["heartbeat"] = 4242, 12345.0
+    assert new[0]["pid"] == 0 and new[0]["heartbeat"] == 0.0
+    assert StatsBlock(path)[0]["pid"] == 0  # a worker the new daemon starts maps the new file
+
+
+def test_a_push_landing_as_a_held_worker_applies_weights_ends_the_hold(tmp_path):
+    """The worker read the store's version after applying the weights: a push landing between
+    the two was taken as seen, so the worker stayed held by the limiter with the old weights,
+    the push waited in vain, and a trainer with ``max_policy_lag`` waiting for rows of the new
+    version never sampled to release it (lifecycle review). Exactly one chunk of it is written."""
+    import contextlib
+    import threading
+    import time
+
+    from ingestd.collect.rollout import Finished
+    from ingestd.collect.stats import Desired, PauseReason
+    from ingestd.collect.worker import Worker
+
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    worker = Worker(SimpleNamespace(index=0), stats)
+    rec = worker.rec
+    rec["desired"] = Desired.RUN
+    store = SimpleNamespace(version=1)  # the weight store (``_published`` reads its version)
+    written: list[int] = []
+
+    def apply(weights, policy, current):
+        seen = weights.version
+        if written == [1] and weights.version == 1:
+            weights.version = 2  # a push lands just after this read
+        return max(current, seen)
+
+    def collect(rollout, storage):
+        written.append(worker.version)
+        worker._written_version = worker.version
+        return 0, Finished()
+
+    worker._apply_weights, worker._collect, worker._account = apply, collect, lambda *a: None
+    worker.version, worker._written_version = 1, 0
+    worker.extras = SimpleNamespace(profile=SimpleNamespace(poll=lambda: None, chunk=contextlib.nullcontext),
+                                    paused=lambda storage: PauseReason.NONE, flush=lambda storage: None)
+    worker.limiter = SimpleNamespace(insert_blocked=lambda: 1.0)  # holds every chunk after a version's first
+    loop = threading.Thread(target=worker._loop, args=(None, None, store, None), daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 3
+        while written != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    finally:
+        rec["desired"] = Desired.STOP  # ends the hold and the loop
+        loop.join(10)
+    assert not loop.is_alive() and written == [1, 2], written

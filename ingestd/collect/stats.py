@@ -118,7 +118,11 @@ class StatsBlock:
             from ingestd.replay.files import NO_ROOM, reserve  # here, not at the top: readers of stats need neither
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
+            try:  # a new file, not the old one truncated: a stray worker of an earlier daemon that still
+                os.unlink(self.path)  # maps that one would write its pid and heartbeat into ours
+            except FileNotFoundError:
+                pass
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
             try:
                 reserve(fd, size)  # a full runtime dir: ENOSPC here, not SIGBUS in a worker
             except BaseException as exc:

@@ -28,7 +28,6 @@ from ingestd.service.limits import fd_hint, out_of_fds
 
 log = logging.getLogger("ingestd.worker")
 
-_PR_SET_PDEATHSIG = 1
 WORKER_NICE = 5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _PAUSED_POLL_S = 0.001
@@ -116,12 +115,7 @@ def _child_setup() -> None:
     # thread's Python stack goes to stderr (the journal), saying where it hung
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.nice(WORKER_NICE)  # collectors yield to the daemon's control thread and to trainers
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the daemon, even if it is SIGKILLed
-    except (OSError, AttributeError):
-        pass
-    keep_heap()
+    keep_heap()  # (PDEATHSIG, to die with the daemon, is set straight after the fork: service.forking)
 
 
 def keep_heap() -> None:
@@ -222,9 +216,11 @@ class Worker:
 
                 torch.set_num_threads(int(rec["threads_wanted"]))
                 rec["threads"] = torch.get_num_threads()
-            # before the limiter's hold too: a worker held back applies a push (which waits for it)
-            self.version = self._apply_weights(weights, policy, self.version)
+            # before the limiter's hold too: a worker held back applies a push (which waits for it).
+            # The store's version is read first: a push landing after the apply's read then ends
+            # the hold below (read after, it was taken as seen: held, the push never applied)
             published = _published(weights)
+            self.version = self._apply_weights(weights, policy, self.version)
             # one chunk of each new weights version is written whatever the limiter says: a trainer
             # sampling with max_policy_lag may need rows of that version before it can sample (and
             # so release the workers) at all
