@@ -646,6 +646,25 @@ def test_compiled_policy_keeps_the_heartbeat_during_its_first_call():
     assert not beats
 
 
+def test_a_compile_that_hangs_stops_beating_after_start_timeout_s():
+    """The compile and the compiled policy's first call were kept alive with no limit: a compile
+    that hung (an inductor worker pool deadlocked) kept the heartbeat fresh for ever, and the
+    supervisor never restarted the worker (lifecycle review). Past ``workers.start_timeout_s``
+    the beats stop, as for a hung env build."""
+    from ingestd.collect.features import compiled
+
+    for hang_in in ("compile", "first call"):
+        beats = []
+
+        def slow_compile(module, dynamic):
+            time.sleep(0.6 if hang_in == "compile" else 0.0)
+            return lambda td: time.sleep(0.6) or td if hang_in == "first call" else td
+        policy = compiled(torch.nn.Linear(2, 2), beat=lambda: beats.append(time.monotonic()),
+                          compile_fn=slow_compile, every_s=0.02, limit_s=0.2)
+        assert policy("td") == "td"
+        assert beats and beats[-1] - beats[0] < 0.4, (hang_in, beats[-1] - beats[0])  # none past the limit
+
+
 def test_a_failed_profile_is_answered_once_not_run_again_into_the_error_text(tmp_path):
     """A profile that could not start answers with ``-seq`` and puts ``error: ...`` in the path
     word; the next poll took that for a new request and profiled into a file named after the

@@ -501,6 +501,8 @@ def test_a_failed_worker_is_retried_after_failed_retry_s_with_a_fresh_budget(sle
     (2.0, 10.0, False, False, [0.1, 0.2, 0.4], 3),  # SIGKILLed from outside after writing: later and later only
     (2.0, 10.0, False, False, [0.1], 1),  # ... even with a budget of 1
     (12.0, 10.0, True, False, [0.1] * 3, 3),  # collected past restart_reset_s each time: a fresh count
+    (12.0, 10.0, True, False, [0.1] * 3, 1),  # ... which that death does not use up, even with a budget of 1
+    (12.0, 10.0, False, False, [0.1] * 3, 1),  # (an OOM kill after an hour of collecting was marked failed)
     (2.0, 0.0, True, False, [0.1] * 3, 3),  # restart_reset_s = 0: the first chunk is progress enough (the old rule)
 ])
 def test_a_worker_dying_soon_after_its_first_chunk_is_restarted_later_and_later(tmp_path, collected_s, reset_s,

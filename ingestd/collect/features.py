@@ -166,27 +166,31 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def compiled(policy, beat=None, *, compile_fn=None, every_s: float = 0.5):
+def compiled(policy, beat=None, *, compile_fn=None, every_s: float = 0.5, limit_s: float = 0.0):
     """``torch.compile`` of a module policy's forward (the module itself keeps receiving weights).
 
     Compiling happens in the first call and can take a minute on a small CPU; ``beat()`` (the
     worker's heartbeat) is called from a helper thread meanwhile so the supervisor does not
     take the worker for hung. ``torch.compile`` itself imports the inductor backend (5-10 s on
-    a cold machine, past the heartbeat timeout): it runs under the same keepalive."""
+    a cold machine, past the heartbeat timeout): it runs under the same keepalive. Each of the
+    two is kept alive for ``limit_s`` at most (``workers.start_timeout_s``; 0: no limit), so a
+    compile that hangs is restarted as hung, not kept alive for ever."""
     if not isinstance(policy, torch.nn.Module):
         log.warning("workers.compile_policy: %s is not a torch.nn.Module; running it uncompiled",
                     type(policy).__name__)
         return policy
     compile_fn = compile_fn or torch.compile
-    with keepalive(beat, every_s) if beat is not None else contextlib.nullcontext():
-        return KeepaliveFirstCall(compile_fn(policy, dynamic=False), beat, every_s)
+    with (keepalive(beat, every_s, limit_s, "torch.compile of the policy") if beat is not None
+          else contextlib.nullcontext()):
+        return KeepaliveFirstCall(compile_fn(policy, dynamic=False), beat, every_s, limit_s)
 
 
 class KeepaliveFirstCall:
-    """Calls ``fn``; during the first call a thread calls ``beat()`` every ``every_s`` seconds."""
+    """Calls ``fn``; during the first call a thread calls ``beat()`` every ``every_s`` seconds
+    (for ``limit_s`` at most: ``keepalive``)."""
 
-    def __init__(self, fn, beat=None, every_s: float = 0.5):
-        self.fn, self.beat, self.every_s = fn, beat, every_s
+    def __init__(self, fn, beat=None, every_s: float = 0.5, limit_s: float = 0.0):
+        self.fn, self.beat, self.every_s, self.limit_s = fn, beat, every_s, limit_s
         self._first = True
 
     def __call__(self, td):
@@ -194,7 +198,7 @@ class KeepaliveFirstCall:
             return self.fn(td)
         t0 = time.perf_counter()
         try:
-            with keepalive(self.beat, self.every_s):
+            with keepalive(self.beat, self.every_s, self.limit_s, "the compiled policy's first call (compiling)"):
                 return self.fn(td)
         finally:
             self._first = False
@@ -249,7 +253,8 @@ class ChunkExtras:
 
         self.env = StepLimit(env, spec.max_episode_steps) if spec.max_episode_steps > 0 else env
         self.checks = RowChecks.of(env.spec, spec.action_bounds, spec.check_finite)
-        self.acting = acting_policy(compiled(policy, beat) if spec.compile_policy else policy, env.spec, self.checks)
+        acting = compiled(policy, beat, limit_s=spec.start_timeout_s) if spec.compile_policy else policy
+        self.acting = acting_policy(acting, env.spec, self.checks)
         self.schedule = Schedule(spec.init_random_frames, spec.total_frames)
         self.random = random_policy(env.spec, seeds.policy ^ 0x5EED) if spec.init_random_frames > 0 else None
         self.nstep = NStep(spec.n_step, spec.gamma, env.num_envs) if spec.n_step > 1 else None

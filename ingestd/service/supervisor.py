@@ -272,8 +272,8 @@ class Supervisor:
         self._on_event("worker.restarted", worker=index, reason=error, after_s=self.policy.backoff(slot.streak))
 
     def _count(self, slot: Slot, rec, now: float, own: bool) -> bool:
-        """Count a death. One after collecting for ``reset_s`` starts afresh: failure 1, the first
-        backoff. One sooner grows the backoff (a worker dying a few chunks in every time was
+        """Count a death. One after collecting for ``reset_s`` starts afresh: no failure counted,
+        the first backoff. One sooner grows the backoff (a worker dying a few chunks in every time was
         restarted for ever at the shortest backoff, rebuilding its env each time: 27 restarts in
         8 s), and counts against the budget if the worker failed on its own (it exited reporting
         an error, crashed on a signal of its own such as SIGSEGV, or hung) or wrote nothing; a
@@ -283,9 +283,9 @@ class Supervisor:
         since, slot.collecting_since = slot.collecting_since, None
         wrote = since is not None or rec["chunks"] > 0  # wrote, then died between two ticks: collected 0 s
         settled = wrote and (0.0 if since is None else now - since) >= self.policy.reset_s
-        if settled:
-            slot.failures, slot.streak = 1, 1
-            return True
+        if settled:  # a fresh count, which this death does not start: a budget of 1 is not used up by it
+            slot.failures, slot.streak = 0, 1
+            return False
         counts = own or not wrote
         slot.failures = slot.failures + 1 if counts else 1
         slot.streak += 1  # (RestartPolicy.backoff caps its exponent)
