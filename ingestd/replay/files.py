@@ -343,7 +343,6 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
 _FLOCK = struct.Struct("hhqqi4x")
 _SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
 _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
-_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 
 
 _LOCK_FILES: dict[int, tuple[str, int, int]] = {}  # descriptor -> (absolute path, device, inode)
@@ -461,6 +460,17 @@ def lock_slots(fd: int, first: int, count: int) -> None:
     fcntl.fcntl(fd, _SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))
 
 
+def try_lock_slots(fd: int, first: int, count: int) -> bool:
+    """Write-lock slots ``[first, first+count)`` if no other handle holds any of them; whether it did."""
+    try:
+        fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):  # (EACCES: a classic lock, without OFD locks)
+            return False
+        raise
+    return True
+
+
 def unlock_slots(fd: int, first: int, count: int) -> None:
     fcntl.fcntl(fd, _SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, first, count, 0))
 
@@ -474,9 +484,3 @@ def segments(start: int, n: int, capacity: int) -> list[tuple[slice, slice]]:
     if head < n:
         parts.append((slice(0, n - head), slice(head, n)))
     return parts
-
-
-def slots_locked(fd: int, first: int, count: int) -> bool:
-    """Whether another handle (a live writer) holds a lock on any of the slots."""
-    res = fcntl.fcntl(fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, first, count, 0))
-    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK

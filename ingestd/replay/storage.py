@@ -247,21 +247,27 @@ class ReplayStorage(MappedStore):
 
         A slot is odd while its writer fills it, and that writer holds a lock on it
         which the kernel drops when the writer dies: odd slots nobody locks are dead.
-        Committed rows whose writer died before entering them in the priority tree
-        enter it now, at the maximum priority."""
-        cleared = 0
-        with self._locked():
+        Each is cleared under its own lock, after reading it again: a live writer may have
+        committed it (and let go) since the scan; a check of the lock, then a clear, wiped
+        such committed rows (replay review: 4,096 of them in 15 s of recoveries beside two
+        writers). Writes through this handle wait (``_write_lock``): their slot locks are
+        this handle's own, which its lock calls do not see. Committed rows whose writer died
+        before entering them in the priority tree enter it now, at the maximum priority."""
+        cleared, fd = 0, self._lock_fd
+        with self._write_lock, self._locked():
             odd = np.flatnonzero(self.seq & 1)
             for run in np.split(odd, np.flatnonzero(np.diff(odd) != 1) + 1) if odd.size else ():
                 first, count = int(run[0]), int(run.size)
-                if not files.slots_locked(self._lock_fd, first, count):
-                    self.seq[first:first + count] = 0
-                    cleared += count
-                    continue
-                for slot in range(first, first + count):
-                    if not files.slots_locked(self._lock_fd, slot, 1):
-                        self.seq[slot] = 0
-                        cleared += 1
+                spans = ([(first, count)] if files.try_lock_slots(fd, first, count)
+                         else [(slot, 1) for slot in range(first, first + count) if files.try_lock_slots(fd, slot, 1)])
+                for start, n in spans:
+                    try:
+                        part = self.seq[start:start + n]
+                        dead = (part & 1) == 1  # read again under the lock
+                        part[dead] = 0
+                        cleared += int(dead.sum())
+                    finally:
+                        files.unlock_slots(fd, start, n)
         if cleared:  # lock-free, as a writer's vacate: a trainer stopped inside update_priorities
             # holds priority.lock, and a daemon starting must not wait on it (it hung, silently)
             self._priorities.levels[0][np.flatnonzero(self.seq == 0)] = 0.0
@@ -269,8 +275,8 @@ class ReplayStorage(MappedStore):
         try:
             self.enter_unentered(timeout=0.0)  # and re-sums the tree; else the daemon tries again later
         except LockBusy:
-            log.warning("%s is locked by a trainer (stopped inside update_priorities?): the priority tree "
-                        "is repaired once it is free", self.path / "priority.lock")
+            log.warning("%s is busy (a writer entering its rows, or a trainer inside update_priorities): the "
+                        "priority tree is repaired once it is free", self.path / "priority.lock")
         return cleared
 
     def enter_unentered(self, timeout: float | None = None) -> int:
