@@ -254,8 +254,9 @@ class WeightStore:
         if got is None:
             return None
         version, state = got
+        inner = getattr(module, "_orig_mod", None)  # a torch.compile'd module: the names are its module's
         try:
-            module.load_state_dict(state, strict=True)
+            (inner if isinstance(inner, torch.nn.Module) else module).load_state_dict(state, strict=True)
         except RuntimeError as exc:
             raise BadWeights(f"weights in {self.path} do not fit {type(module).__name__}: {exc}") from None
         return version

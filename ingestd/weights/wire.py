@@ -85,6 +85,9 @@ class Entry:
                              f"got {_short(self.shape)}")
         if any(type(s) is not int or s < 0 for s in self.shape):
             raise BadWeights(f"{where}: shape sizes must be non-negative integers, got {_short(list(self.shape))}")
+        if any(s >= 2**62 for s in self.shape) or math.prod(s for s in self.shape if s) >= 2**62:
+            # (of no bytes with a 0 size, yet numpy cannot make it: a ValueError, not BadWeights)
+            raise BadWeights(f"{where}: shape {_short(list(self.shape))} is too large for any tensor")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -276,10 +279,12 @@ def tensors_of(state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
             raise BadWeights(f"{name!r} is a {kind}, expected a dense torch.Tensor"
                              + (" (torch.from_numpy makes one)" if type(value).__module__ == "numpy" else ""))
         dtype_name(value.dtype)
+        if value.is_nested:
+            raise BadWeights(f"{name!r} is a nested tensor, expected a dense torch.Tensor")
         if value.is_meta:
             raise BadWeights(f"{name!r} is a meta tensor: it has no data (a module built on the meta device and "
                              "not materialized yet, e.g. with to_empty() and loaded weights)")
-        out[name] = value.detach().to("cpu").contiguous()
+        out[name] = value.detach().resolve_conj().resolve_neg().to("cpu").contiguous()  # (numpy() refuses the bits)
     return out
 
 
