@@ -928,3 +928,40 @@ def test_a_store_of_another_policy_shape_is_replaced_past_its_version(tmp_path, 
     initial = {"w": torch.zeros(3)}
     with _weight_store(path, manifest_of(initial), initial, 2, resume=mode == "resume") as store:
         assert store.read()[0] == 8 and torch.equal(store.read()[1]["w"], initial["w"])
+
+
+def test_versions_pushed_without_rows_are_not_given_out_again_after_the_runtime_dir_is_removed(tmp_path):
+    """Weights review: v4-v6 pushed to paused workers (no rows of them), ``systemctl stop`` (the
+    runtime dir and its store removed), a start: the new store was numbered past the replay's
+    newest rows only, and v4 named the policy's initial weights. Every version published for a
+    replay is kept beside it (``<replay>.weights-version``), and numbered past."""
+    from ingestd.service.layout import _weight_store
+    from ingestd.weights.mark import mark_of
+    from ingestd.weights.wire import manifest_of
+
+    initial, pushed = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
+    replay = tmp_path / "data" / "replay"
+    for directory in ("data", "run1", "run2"):
+        (tmp_path / directory).mkdir()
+    with _weight_store(tmp_path / "run1" / "weights", manifest_of(initial), initial, 3, mark=mark_of(replay)) as store:
+        assert store.read()[0] == 4
+        for version in (5, 6, 7):
+            assert store.publish(pushed) == version  # (as a push does) no rows of them stored
+    assert (tmp_path / "data" / "replay.weights-version").read_text().strip() == "7"
+    # a new, empty runtime dir (run2); the replay's newest rows are still of v3
+    with _weight_store(tmp_path / "run2" / "weights", manifest_of(initial), initial, 3, mark=mark_of(replay)) as store:
+        version, state = store.read()
+    assert version == 8 and torch.equal(state["w"], initial["w"])
+
+
+@pytest.mark.parametrize("content", ["", "garbage\n", "-4\n"])
+def test_an_unreadable_version_mark_is_ignored_and_rewritten(tmp_path, content):
+    from ingestd.service.layout import _weight_store
+    from ingestd.weights.mark import mark_of
+    from ingestd.weights.wire import manifest_of
+
+    initial = {"w": torch.zeros(3)}
+    (mark := tmp_path / "replay.weights-version").write_text(content)
+    with _weight_store(tmp_path / "weights", manifest_of(initial), initial, 2, mark=mark_of(tmp_path / "replay")):
+        pass
+    assert mark.read_text().strip() == "3"

@@ -16,6 +16,7 @@ from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.storage import ReplayStorage
 from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
 from ingestd.service.probe import check_buildable, replay_room
+from ingestd.weights.mark import mark_of
 
 log = logging.getLogger("ingestd.daemon")
 START_LOCK_WAIT_S = 10.0  # the start waits this long for a lock file a trainer holds
@@ -89,7 +90,8 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
         state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
         manifest = manifest_of(state)
         weights = _weight_store(paths.weights, manifest, state, _newest_stored_version(storage),
-                                resume=config.service.start_weights == "resume", fresh_replay=storage.write_count == 0)
+                                resume=config.service.start_weights == "resume", fresh_replay=storage.write_count == 0,
+                                mark=mark_of(paths.replay))
         _warn_overridden_kwargs(weights, state, config.workers.policy_kwargs)
     else:
         policy = None
@@ -166,15 +168,29 @@ def _check_nstep(storage: ReplayStorage, workers) -> None:
                                "replay.path at a new replay (nothing there was changed)")
 
 
-def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True, fresh_replay: bool = False):
+def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True, fresh_replay: bool = False,
+                  mark=None):
     """The daemon's weight store, versions kept monotonic across daemon restarts.
 
     The previous daemon's store, if it holds the same policy shape, is reopened in place, so
     readers that mapped the file keep following it: with ``resume`` (``service.start_weights``)
     its last weights stay current, else ``initial`` is published into it. Otherwise a new store
-    starts from ``initial``. New weights are numbered past the old store's version and past
-    ``stored`` (the newest version in the replay), so a version never names two different sets
-    of weights."""
+    starts from ``initial``. New weights are numbered past the old store's version, past
+    ``stored`` (the newest version in the replay) and past ``mark`` (``ingestd.weights.mark``:
+    every version published for this replay, rows or not), so a version never names two
+    different sets of weights; every version published from here on is saved in ``mark``."""
+    from ingestd.weights.store import WeightStore
+
+    if mark is not None:
+        stored = max(stored, mark.read())
+    weights = _weight_store_past(path, manifest, initial, stored, resume, fresh_replay)
+    if mark is not None:
+        mark.save(weights.version)
+        weights.on_publish = mark.save
+    return weights
+
+
+def _weight_store_past(path, manifest, initial: dict, stored: int, resume: bool, fresh_replay: bool):
     from ingestd.weights.store import WeightStore
 
     path = Path(path)

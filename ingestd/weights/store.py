@@ -64,6 +64,7 @@ class WeightStore:
 
     def __init__(self, path: Path, mm: mmap.mmap, writable: bool):
         self.path, self._mm, self.writable = path, mm, writable
+        self.on_publish = None  # called with each version published (the daemon's VersionMark.save)
         self._header = np.frombuffer(mm, np.int64, HEADER_WORDS)
         if int(self._header[H_MAGIC]) != MAGIC or int(self._header[H_FORMAT]) != FORMAT:
             raise CorruptStorage(f"{path} is not an ingestd weight store (bad magic or format); "
@@ -212,6 +213,8 @@ class WeightStore:
             header[H_SEQ[target]] += 1  # even again (on failure the buffer holds version 0: skipped)
         header[H_ACTIVE] = target
         header[H_VERSION] = new
+        if self.on_publish is not None:
+            self.on_publish(new)
         return new
 
     # -- readers (the writer can read too) ----------------------------------------
