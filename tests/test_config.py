@@ -141,6 +141,16 @@ BAD = [
     (["control.address=tcp://host:99999"], "control.address", "tcp://host:port"),
     (["control.address=ipc:///" + "x" * 120], "control.address", "107"),
     (["control.address=ipc:///s", "control.events_address=ipc:///s"], "control.events_address", "differ"),
+    # the daemon's own listeners on one socket: the second bind failed after the replay was made (ops review)
+    (["control.address=ipc:///d/c.sock", "control.events_address=ipc:///d//c.sock"], "control.events_address",
+     "binds the socket control.address"),
+    (["control.address=tcp://localhost:5555", "control.events_address=tcp://127.0.0.1:5555",
+      "control.curve_secret_key=/k/s.key", "control.curve_authorized_keys=/k/ok"], "control.events_address",
+     "binds the socket control.address"),
+    (["control.address=tcp://127.0.0.1:19777", "metrics.port=19777", "control.curve_secret_key=/k/s.key",
+      "control.curve_authorized_keys=/k/ok"], "metrics.port", "is the port of control.address"),
+    (["control.events_address=tcp://0.0.0.0:19778", "metrics.port=19778", "control.curve_secret_key=/k/s.key",
+      "control.curve_authorized_keys=/k/ok"], "metrics.port", "is the port of control.events_address"),
     (["control.max_frames=1"], "control.max_frames", "2..1024"),
     (["control.max_message_bytes=1.5e9"], "control.max_message_bytes", "an integer"),
     # a min_size never reached held every trainer for ever (review: a frame budget below it, accepted at start)

@@ -257,3 +257,36 @@ def test_a_limiter_change_while_a_trainer_holds_limiter_bin_answers_busy():
             held.release()
         with ControlClient(d.control_address, timeout=10) as client:
             assert client.limiter(samples_per_insert=3.0).samples_per_insert == 3.0
+
+
+def test_a_reload_while_a_trainer_holds_limiter_bin_is_busy_not_a_refused_file_and_sighup_retries():
+    """A reload with a limiter change while a trainer held ``limiter.bin`` was reported as a config
+    error naming a key 'limiter', set ``ingestd_config_last_reload_successful`` to 0 (the alert then
+    said the next start would fail on a good file), and a SIGHUP's reload was dropped (ops review).
+    The command answers ``busy``, the metric stays 1, and a SIGHUP's reload is tried again."""
+    import signal
+
+    from daemon_proc import DaemonProc, wait_for
+    from test_limiter import _metric
+
+    from ingestd.control.client import ControlClient
+    from ingestd.errors import CommandFailed
+
+    with DaemonProc(overrides={"workers.count": 1}) as d:
+        d.wait_ready()
+        with ControlClient(d.control_address, timeout=10) as client:
+            held = Held(d.replay_path / LIMITER_FILE)
+            try:
+                d.config_path.write_text("[limiter]\nenabled = true\nmin_size = 10\n[workers]\nrestart_budget = 7\n")
+                with pytest.raises(CommandFailed, match="limiter.bin") as err:
+                    client.reload()
+                assert err.value.code == "busy" and "it is fine" in err.value.message
+                assert client.config()["workers"]["restart_budget"] == 5  # nothing applied
+                assert _metric(d.metrics_port, "ingestd_config_last_reload_successful") == 1
+                d.proc.send_signal(signal.SIGHUP)
+                wait_for(lambda: "trying again in" in d.log(), 10, "the SIGHUP's reload to be retried")
+            finally:
+                held.release()
+            wait_for(lambda: client.config()["workers"]["restart_budget"] == 7, 15, "the retried reload")
+            assert client.config()["limiter"]["enabled"] is True
+            assert _metric(d.metrics_port, "ingestd_config_last_reload_successful") == 1

@@ -27,7 +27,7 @@ from ingestd.control.addresses import host_identity
 from ingestd.control.context import Context, pid_alive
 from ingestd.control.replay_handlers import limiter, snapshot
 from ingestd.control.protocol import PROTOCOL_VERSION, ErrorCode, Preencoded, RequestError
-from ingestd.errors import BadWeights, ConfigError
+from ingestd.errors import BadWeights, ConfigError, LockBusy
 
 log = logging.getLogger("ingestd.control")
 
@@ -332,11 +332,12 @@ def reload(ctx: Context, request: Reload) -> dict:
     def change(deadline: float) -> dict:
         try:
             return ctx.on_main(ctx.daemon.reload, deadline)
-        except ConfigError as exc:
+        except (ConfigError, LockBusy) as exc:
             extra = getattr(exc, "reload_extra", {})
             keys = (f" (the authorised CURVE keys were re-read all the same: {extra['authorized_keys']})"
                     if "authorized_keys" in extra else "")
-            raise RequestError(ErrorCode.RELOAD_FAILED, f"{exc}; the running config was kept{keys}") from None
+            code = ErrorCode.BUSY if isinstance(exc, LockBusy) else ErrorCode.RELOAD_FAILED  # busy: retry
+            raise RequestError(code, f"{exc}; the running config was kept{keys}") from None
 
     result, _ = _locked_change(ctx, request, change, "the reload")
     path = ctx.daemon.config_path

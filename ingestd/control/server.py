@@ -35,7 +35,7 @@ from ingestd.control.protocol import (
     socket_file,
 )
 from ingestd.control.sockets import bind_private
-from ingestd.errors import ConfigError
+from ingestd.errors import ConfigError, LockBusy
 from ingestd.service.limits import FdWatch
 
 log = logging.getLogger("ingestd.control")
@@ -179,6 +179,8 @@ class ControlServer:
                     ctx.on_main(ctx.daemon.reload, time.monotonic() + SIGNAL_RELOAD_DEADLINE_S)
                 except ConfigError:
                     pass  # logged by reload(); the running config stays, as after a failed reload command
+                except LockBusy:  # a trainer holds limiter.bin: nothing applied, and no one to retry but us
+                    ctx.daemon.retry_reload()
                 except RequestError as exc:  # shutting down, or the main loop did not take it
                     log.warning("reload on SIGHUP not run: %s", exc.message)
                 except Exception:  # noqa: BLE001 - a pool thread: log, never lose it silently

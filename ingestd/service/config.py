@@ -81,7 +81,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     if errors:
         raise ConfigError.every(errors)
     config = Config(**sections)
-    for check, part in ((_check_workers, config), (_check_control, config.control), (_check_limiter, config)):
+    for check, part in ((_check_workers, config), (_check_control, config.control), (_check_binds, config),
+                        (_check_limiter, config)):
         try:
             check(part)
         except ConfigError as exc:
@@ -197,6 +198,44 @@ def _check_control(c: ControlConfig) -> None:
                                    "control.curve_authorized_keys (or neither)")
     if c.address and c.address == c.events_address:
         raise ConfigError("control.events_address", f"must differ from control.address (both are {c.address})")
+
+
+_ANY_HOST = frozenset(("*", "0.0.0.0", "[::]", "::", ""))  # a bind on every interface
+_LOOPBACK = frozenset(("127.0.0.1", "localhost"))
+
+
+def _bound(address: str) -> tuple | None:
+    """What binding ``address`` takes: ``("ipc", path)`` (normalized: ``/d//c.sock`` is
+    ``/d/c.sock``), ``("tcp", host, port)``, or None (``""``: the default socket)."""
+    if address.startswith("ipc://"):
+        name = address[len("ipc://"):]
+        return ("ipc", name if name.startswith("@") else os.path.normpath(name))
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        return ("tcp", host, int(port)) if port.isdigit() else None
+    return None
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    return a == b or a in _ANY_HOST or b in _ANY_HOST or {a, b} <= _LOOPBACK
+
+
+def _check_binds(config: Config) -> None:
+    """Two of the daemon's own listeners on one socket pass each check alone, and the second bind
+    failed only after the replay was made, blaming "another process" (ops review): the control and
+    event sockets (spelled two ways), or a tcp one and the metrics port."""
+    c, m = config.control, config.metrics
+    control, events = _bound(c.address), _bound(c.events_address)
+    if control is not None and events is not None and control[0] == events[0] and (
+            control == events if control[0] == "ipc" else
+            control[2] == events[2] and _hosts_overlap(control[1], events[1])):
+        raise ConfigError("control.events_address", f"{c.events_address} binds the socket control.address "
+                                                    f"({c.address}) binds: give the events their own")
+    for key, bound in (("control.address", control), ("control.events_address", events)):
+        if (m.enabled and m.port and bound is not None and bound[0] == "tcp" and bound[2] == m.port
+                and _hosts_overlap(bound[1], m.address)):
+            raise ConfigError("metrics.port", f"{m.port} is the port of {key} ({getattr(c, key.split('.')[1])}) "
+                                              "too: choose another metrics.port (0: an ephemeral one)")
 
 
 # -- loading --------------------------------------------------------------------

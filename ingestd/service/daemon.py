@@ -16,7 +16,7 @@ import torch
 
 from ingestd.collect.inherited import daemon_only
 from ingestd.collect.stats import WAITS, Desired, PauseReason, State
-from ingestd.errors import ConfigError
+from ingestd.errors import ConfigError, LockBusy
 from ingestd.service.config import toml_value, with_overrides
 from ingestd.service.instance import Claim, claim_instance
 from ingestd.service.layout import Layout, build_layout
@@ -41,6 +41,7 @@ def _may_write(rec) -> bool:
 
 
 RELOAD_LOCK_TRY_S = 0.5  # a reload waits this long at most for limiter.bin, which trainers lock
+RELOAD_RETRY_S, RELOAD_RETRIES = 2.0, 15  # a SIGHUP's reload that found it locked: tried again so
 
 class Daemon:
     """One running ingestd. ``run()`` blocks until a stop is requested."""
@@ -63,6 +64,8 @@ class Daemon:
         self._wake = threading.Event()  # set by submit() so commands do not wait out a tick
         self._stop_requested = False
         self._reload_requested = False
+        self._reload_retry_at: float | None = None  # (retry_reload) when a SIGHUP's reload is tried again
+        self._reload_retries = 0
         # how a SIGHUP's reload runs once the control server is up: behind its lock, as the reload
         # command (run here, between supervisor ticks, it undid a scale or restart a command was
         # waiting on, which then timed out saying its request stayed in effect)
@@ -134,6 +137,8 @@ class Daemon:
             self._run_calls()
             if self._priorities_to_repair:
                 self._repair_priorities()
+            if self._reload_retry_at is not None and now >= self._reload_retry_at:
+                self._reload_retry_at, self._reload_requested = None, True
             if self._reload_requested:
                 self._reload_requested = False
                 if self.reload_runner is not None:
@@ -143,6 +148,8 @@ class Daemon:
                         self.reload()
                     except ConfigError:
                         pass  # logged by reload(); the running config stays, as after a failed reload command
+                    except LockBusy:
+                        self.retry_reload()
             if not self._ready and self._first_data(start_count):
                 self._ready = True
                 self.notifier.ready(self.status_line())
@@ -201,7 +208,7 @@ class Daemon:
 
         def reload(signum, frame):
             log.info("received SIGHUP: reloading the config")
-            self._reload_requested = True
+            self._reload_requested, self._reload_retries = True, 0
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -215,8 +222,6 @@ class Daemon:
         (they are not drawn by prioritized readers until then). ``priority.lock`` is
         trainer-writable: a trainer stopped inside ``update_priorities`` holds it, so this tries
         without blocking the main loop, and again at the next tick."""
-        from ingestd.errors import LockBusy
-
         try:
             entered = self.layout.storage.enter_unentered(timeout=0.0)
         except LockBusy:
@@ -224,6 +229,19 @@ class Daemon:
         self._priorities_to_repair = False
         if entered:
             log.info("%d row(s) a dead worker had committed entered the priority tree", entered)
+
+    def retry_reload(self) -> None:
+        """A SIGHUP's reload found ``limiter.bin`` locked by a trainer (LockBusy): nothing was
+        applied and no one is there to try again, so it is tried again in ``RELOAD_RETRY_S``,
+        ``RELOAD_RETRIES`` times at most (any thread: two stores the main loop reads)."""
+        if self._reload_retries >= RELOAD_RETRIES:
+            log.error("reload on SIGHUP: limiter.bin stayed locked for %d tries; nothing of the file was applied: "
+                      "reload again (systemctl reload ingestd) once the trainer lets go", RELOAD_RETRIES + 1)
+            return
+        self._reload_retries += 1
+        log.warning("reload on SIGHUP: trying again in %g s (%d of %d)", RELOAD_RETRY_S, self._reload_retries,
+                    RELOAD_RETRIES)
+        self._reload_retry_at = self.clock() + RELOAD_RETRY_S
 
     # -- operations (main thread) -----------------------------------------------------------
     def reload(self) -> dict:
@@ -236,6 +254,9 @@ class Daemon:
             extra.update(hook())
         try:
             result = self._reload(extra)
+        except LockBusy as exc:  # the file is fine: the metrics do not say it is refused (an alert fired)
+            exc.reload_extra = extra
+            raise
         except Exception as exc:
             exc.reload_extra = extra  # the reply says what the hooks did all the same (keys re-read)
             self.telemetry.observe_reload(False, time.time())  # the metrics say the file on disk is refused
@@ -263,15 +284,15 @@ class Daemon:
                                        f"({', '.join(needs_restart) or 'none changed'}), so nothing was applied: "
                                        "restart the daemon to apply the file") from None
         if any(key.startswith("limiter.") for key in applied) and self.layout.limiter is not None:
-            from ingestd.errors import LockBusy
             from ingestd.replay.limiter import params_of
 
             try:  # first: nothing else is applied if it cannot be (never wait long in the main loop)
                 self.layout.limiter.configure(params_of(new.limiter), timeout=RELOAD_LOCK_TRY_S)
             except LockBusy as exc:
-                log.error("reload refused, keeping the running config: %s", exc)
+                log.error("reload not applied, keeping the running config: %s", exc)
                 self._reloaded()
-                raise ConfigError("limiter", f"{exc}; nothing was applied: reload again") from None
+                raise LockBusy(f"{exc}; nothing of the file was applied (it is fine): reload again once the "
+                               "trainer lets go") from None
         if "service.log_level" in applied:
             logging.getLogger("ingestd").setLevel(new.service.log_level.upper())
         self.adopt(checked)  # first: workers started by the scale are made from it (their thread share)
