@@ -657,3 +657,5 @@ def test_beta_can_be_annealed_on_a_live_reader(shm_dir):
                 r.beta = bad
         with pickle.loads(pickle.dumps(r)) as copy:
             assert copy.beta == 1.0
+        with ReplayReader(store.path) as uniform, pytest.raises(ValueError, match="samples uniformly"):
+            uniform.beta = 0.7  # was taken in silence, then a pickled copy (a DataLoader worker) was refused

@@ -98,6 +98,8 @@ def test_too_long_or_empty(shm_dir):
             r.sample_sequences(4, 41, timeout=0.05)
         with pytest.raises(ValueError):
             r.sample_sequences(0, 3)
+        with pytest.raises(TypeError, match="cross_episodes must be True or False"):
+            r.sample_sequences(4, 3, 5.0)  # a wait, as sample(4, 5.0) is: it turned crossing on
     empty = ReplayStorage.create(shm_dir / "e", example_rows(), 100)
     with empty, ReplayReader(empty.path) as r, pytest.raises(EmptyReplay):
         r.sample_sequences(2, 2)

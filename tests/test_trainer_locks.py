@@ -14,9 +14,10 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from sampling_rows import rows
 
-from ingestd.errors import LockBusy
+from ingestd.errors import LockBusy, SampleTimeout
 from ingestd.replay import ReplayReader, ReplayStorage
 from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, LimiterParams
 from ingestd.replay.priority import LOCK as PRIORITY_LOCK
@@ -290,3 +291,31 @@ def test_a_reload_while_a_trainer_holds_limiter_bin_is_busy_not_a_refused_file_a
             wait_for(lambda: client.config()["workers"]["restart_budget"] == 7, 15, "the retried reload")
             assert client.config()["limiter"]["enabled"] is True
             assert _metric(d.metrics_port, "ingestd_config_last_reload_successful") == 1
+
+
+def test_a_trainer_stopped_holding_the_limiter_or_priority_lock_never_blocks_another_past_its_timeout(shm_dir):
+    """With the limiter on, every sample took limiter.bin's flock with no time limit, so another
+    trainer stopped inside a call (Ctrl-Z, a debugger) made ``sample(n, timeout=0.5)`` and
+    ``sample(n)`` block for ever; ``update_priorities`` had no timeout at all (sampling review)."""
+    with ReplayStorage.create(shm_dir / "r", rows(1), 64) as store:
+        store.write(rows(64))
+        lim = Limiter.attach(store.path)
+        lim.configure(LimiterParams(True, 0, 1.0, -1e6, 1e6))
+        lim.close()
+        with ReplayReader(store.path, sampler="prioritized") as r:
+            batch = r.sample(4)
+            held = [Held(store.path / LIMITER_FILE), Held(store.path / PRIORITY_LOCK)]
+            try:
+                started = time.monotonic()
+                with pytest.raises(SampleTimeout, match="limiter.bin is locked"):
+                    r.sample(4, timeout=0.5)
+                with pytest.raises(LockBusy, match="limiter.bin is locked"):
+                    r.sample(4)  # no timeout: at once, but for a lock held past READER_LOCK_WAIT_S
+                with pytest.raises(LockBusy, match="priority.lock is locked"):
+                    r.update_priorities(batch, torch.ones(4), timeout=0.2)
+                assert time.monotonic() - started < 5
+            finally:
+                for h in held:
+                    h.release()
+            assert r.sample(4, timeout=1.0).batch_size[0] == 4
+            assert r.update_priorities(batch, torch.ones(4), timeout=1.0) == 4

@@ -34,6 +34,8 @@ it and read without it (a reader may see a change one call late).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
 import threading
@@ -44,7 +46,7 @@ from typing import Callable
 
 import numpy as np
 
-from ingestd.errors import SampleTimeout, StorageNotFound
+from ingestd.errors import LockBusy, SampleTimeout, StorageNotFound
 from ingestd.replay import files
 from ingestd.replay.limiter_params import LimiterParams, check_window, params_of  # noqa: F401 (re-exported)
 
@@ -57,6 +59,9 @@ MAGIC = 0x4C494D49_0001  # "LIMI" + 1
 _FLOATS = frozenset((W_SPI, W_MIN_DIFF, W_MAX_DIFF, W_OFFSET, W_READER_BLOCKED_S, W_LAG_MEAN, W_LAG_AT))
 PAUSE_LIMITER = 3  # stats record ``pause_reason`` while the limiter holds a worker back (PauseReason.LIMITER)
 _WORKER_POLL_S = 0.002
+# a reader waits this long at most for limiter.bin, which another trainer stopped inside a call holds
+READER_LOCK_WAIT_S = 1.0
+log = logging.getLogger("ingestd.replay")
 
 
 class RateLimited(SampleTimeout):
@@ -185,14 +190,15 @@ class Limiter:
             return f"the trainer is ahead: error {error:g} < min_diff {self._f[W_MIN_DIFF]:g}"
         return None
 
-    def take_samples(self, n: int, rows: int) -> tuple[str | None, int]:
+    def take_samples(self, n: int, rows: int, timeout: float | None = None) -> tuple[str | None, int]:
         """Before a sample of ``n`` rows: ``(why the reader must wait, 0)``, or ``(None, rows
         counted)``. The check and the count are one step under the lock, so trainers that check
         together cannot all pass: together they overshoot ``min_diff`` by one batch, not one
-        each. A sample that then fails gives its rows back (:meth:`give_back`)."""
+        each. A sample that then fails gives its rows back (:meth:`give_back`). ``timeout``:
+        ``LockBusy`` if another trainer holds ``limiter.bin`` that long (stopped inside a call)."""
         if not self._i[W_ENABLED]:
             return None, 0
-        with self._locked():
+        with self._locked(timeout):
             why = self.sample_blocked(rows)
             if why is not None:
                 return why, 0
@@ -200,18 +206,23 @@ class Limiter:
         return None, n
 
     def give_back(self, n: int) -> None:
-        """Un-count ``n`` rows taken by :meth:`take_samples` for a sample that found none."""
+        """Un-count ``n`` rows taken by :meth:`take_samples` for a sample that found none (not
+        if ``limiter.bin`` stays locked: then they stay counted, and said so)."""
         if n:
-            with self._locked():
-                self._i[W_SAMPLES] -= n
+            try:
+                with self._locked(READER_LOCK_WAIT_S):
+                    self._i[W_SAMPLES] -= n
+            except LockBusy as exc:
+                log.warning("%s: %d rows of a failed sample stay counted as sampled", exc, n)
 
     def add_reader_blocked(self, seconds: float) -> None:
-        with self._locked():
+        """Counted for the metrics; dropped if ``limiter.bin`` stays locked (never a reader's wait)."""
+        with contextlib.suppress(LockBusy), self._locked(READER_LOCK_WAIT_S):
             self._f[W_READER_BLOCKED_S] += seconds
             self._i[W_READER_WAITS] += 1
 
     def add_reader_refused(self) -> None:
-        with self._locked():
+        with contextlib.suppress(LockBusy), self._locked(READER_LOCK_WAIT_S):
             self._i[W_READER_REFUSALS] += 1
 
     def record_sampled_lag(self, lo: int, mean: float, hi: int) -> None:

@@ -442,13 +442,14 @@ class ReplayReader(MappedStore):
         return plan
 
     # -- prioritized and sequence sampling, policy lag (ingestd.replay.sampling) ------------------
-    def update_priorities(self, index, priority, write_index=None) -> int:
+    def update_priorities(self, index, priority, write_index=None, timeout: float | None = None) -> int:
         """Set the priorities of sampled rows (pass the sample itself as ``index``, or slots and
         ``write_index``); updates aimed at rows overwritten since are ignored. Returns how many
-        were applied."""
+        were applied. ``timeout``: raise ``LockBusy``, updating nothing, if ``priority.lock``
+        stays held that long by another trainer stopped inside a call (None: wait for it)."""
         self._check_open()
         self.check_attached()  # into a removed storage's frozen tree, it "applied" updates nobody reads (review)
-        return self._sampling.update_priorities(index, priority, write_index)
+        return self._sampling.update_priorities(index, priority, write_index, timeout)
 
     def reset_max_priority(self, priority: float | None = None) -> float:
         """Make new rows enter the prioritized tree at ``priority`` (None: at the largest priority
@@ -477,6 +478,9 @@ class ReplayReader(MappedStore):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not 0 <= value < math.inf:
             raise ValueError(f"beta must be a finite number >= 0, got {value!r}")
+        if self._sampling.tree is None:  # taken in silence, then a pickled copy was refused (a DataLoader worker)
+            raise ValueError("beta shapes prioritized sampling, but this reader samples uniformly "
+                             "(ReplayReader(..., sampler='prioritized'))")
         self._sampling.beta = float(value)
         self._options["beta"] = float(value)
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ingestd.errors import EmptyReplay, SampleTimeout
+from ingestd.errors import EmptyReplay, LockBusy, SampleTimeout
 from ingestd.replay.layout import POLICY_VERSION
-from ingestd.replay.limiter import FILE as LIMITER_FILE, Limiter, RateLimited
+from ingestd.replay.limiter import FILE as LIMITER_FILE, READER_LOCK_WAIT_S, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
 from ingestd.replay.inputs import rows_count, slot_indices, wait_deadline
 from ingestd.weights.follow import FollowedStore
@@ -103,6 +103,9 @@ class Sampling:
 
     def sample_sequences(self, batch: int, length: int, cross_episodes: bool, timeout: float | None) -> TensorDict:
         batch, length = rows_count(batch, "batch_size"), rows_count(length, "length")
+        if not isinstance(cross_episodes, (bool, np.bool_)):  # sample(256, 5.0) is a timeout; this was crossing
+            raise TypeError(f"cross_episodes must be True or False, got {cross_episodes!r}; pass a wait as "
+                            "timeout=")
         if length > self.reader.capacity:
             raise ValueError(f"length {length} is more steps than the storage's capacity {self.reader.capacity} "
                              "holds; sample shorter sequences")
@@ -129,7 +132,7 @@ class Sampling:
         waited_from = None
         while True:
             self.reader.check_attached()  # before every attempt: a storage that left would never fill
-            why, taken = self.limiter.take_samples(n, len(self.reader)) if self.limiter is not None else (None, 0)
+            why, taken = self._take(n, deadline)
             if why is None:
                 try:
                     out = attempt()
@@ -157,6 +160,21 @@ class Sampling:
                     self.limiter.add_reader_blocked(time.monotonic() - waited_from)
                 raise SampleTimeout(f"replay {self.reader.path}: {why} (waited {timeout} s)")
             time.sleep(_POLL_S)
+
+    def _take(self, n: int, deadline: float | None) -> tuple[str | None, int]:
+        """The limiter's ``take_samples``, waiting for ``limiter.bin`` until the deadline at most
+        (another trainer stopped inside a call holds it: a sample with a timeout waited for ever).
+        Without a deadline, ``LockBusy`` after ``READER_LOCK_WAIT_S``; with one, the lock is a
+        reason to wait, as a refusal is."""
+        if self.limiter is None:
+            return None, 0
+        wait = READER_LOCK_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return self.limiter.take_samples(n, len(self.reader), timeout=wait)
+        except LockBusy as exc:
+            if deadline is None:
+                raise
+            return str(exc), 0
 
     def _refresh_min_version(self) -> int | None:
         """The oldest ``policy_version`` ``max_policy_lag`` accepts now (None: no lag limit); kept
@@ -193,13 +211,16 @@ class Sampling:
             raise ValueError(f"priority must be finite and > 0, got {priority}")
         return self.tree.reset_max(min((priority + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
 
-    def update_priorities(self, index, priority, write_index=None) -> int:
+    def update_priorities(self, index, priority, write_index=None, timeout: float | None = None) -> int:
         """Set the priorities of sampled rows; returns how many were applied.
 
         ``index`` is the sample itself (its ``("ingestd", "index")`` and ``("ingestd",
         "write_index")`` are used) or the slot indices; ``write_index`` (from the sample)
         makes the update skip slots overwritten since. Without it, only committed slots
-        are updated, whatever row they now hold."""
+        are updated, whatever row they now hold. ``timeout``: ``LockBusy`` (nothing updated)
+        if another trainer holds ``priority.lock`` that long (None: wait for it)."""
+        if timeout is not None:
+            wait_deadline(timeout)  # (checked as a sample's timeout)
         if self.tree is None:
             raise RuntimeError("update_priorities needs ReplayReader(..., sampler='prioritized')")
         if isinstance(index, TensorDictBase):
@@ -225,7 +246,7 @@ class Sampling:
             expected = seq[bound]
             committed = (expected > 0) & ((expected & 1) == 0)
             expected = np.where(committed, expected, -1)
-        return self.tree.update(slots, leaves, seq=seq, expected_seq=expected)
+        return self.tree.update(slots, leaves, seq=seq, expected_seq=expected, timeout=timeout)
 
     # -- drawing and accepting rows -------------------------------------------------------------
     def _sample(self, n: int, into: tuple | None = None) -> TensorDict | None:
