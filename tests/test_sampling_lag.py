@@ -201,3 +201,21 @@ def test_the_eligible_slots_follow_new_rows_without_a_rescan(shm_dir, monkeypatc
             store.write(rows(5, version=6, start=300))
             assert set(r.sample(256).get(("ingestd", "worker")).tolist()) <= set(range(300, 305))
             assert sampling._eligible_cache[0] == 6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed="prioritized"), "seed must be a whole number"),  # the sampler given positionally
+    (dict(seed=True), "seed must be a whole number"),
+    (dict(sampler="prioritized", alpha="0.5"), "alpha must be a number"),
+    (dict(sampler="prioritized", beta=[0.4]), "beta must be a number"),
+    (dict(max_policy_lag=2, weights_version=5), "weights_version must be a callable"),
+])
+def test_reader_arguments_of_the_wrong_type_are_refused_at_once(shm_dir, kwargs, message):
+    """Sampling review: each was taken, then failed inside numpy or at the first sample with an
+    error that did not name the argument (or, for seed=True, sampled uniformly in silence)."""
+    from sampling_rows import rows
+
+    from ingestd.replay import ReplayReader, ReplayStorage
+
+    with ReplayStorage.create(shm_dir / "r", rows(1), 64) as store, pytest.raises(TypeError, match=message):
+        ReplayReader(store.path, **kwargs)

@@ -84,3 +84,11 @@ def child_seed(seed) -> np.random.SeedSequence | None:
     if info is None:
         return None
     return np.random.SeedSequence([int(seed) & (2**64 - 1), int(info.seed) & (2**64 - 1)])
+
+
+def check_seed(seed) -> None:
+    """A reader's ``seed``: None or a whole number (``ReplayReader(path, "prioritized")`` put the
+    sampler there, and numpy's error said nothing of it; ``True`` sampled uniformly in silence)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+        raise TypeError(f"seed must be a whole number or None, got {seed!r} (the sampler is a keyword: "
+                        "ReplayReader(path, sampler='prioritized'))")

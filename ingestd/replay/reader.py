@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from ingestd.errors import EmptyReplay, SampleTimeout, StorageNotFound, StorageReplaced
 from ingestd.replay import files
 from ingestd.replay.batches import Out, plan_nodes, td_factory
-from ingestd.replay.inputs import (available_memory, child_seed, file_identity, rows_count, slot_indices,
+from ingestd.replay.inputs import (available_memory, check_seed, child_seed, file_identity, rows_count, slot_indices,
                                    wait_deadline)
 from ingestd.replay.layout import numpy_dtype
 from ingestd.replay.storage import MappedStore
@@ -72,6 +72,7 @@ class ReplayReader(MappedStore):
         (with ``weights_path`` or ``weights_version``) rejects rows collected by weights more than
         that many versions old; ``rate_limited``: obey the storage's rate limiter. See
         docs/sampling.md and :mod:`ingestd.replay.sampling`."""
+        check_seed(seed)
         if sampler == "uniform" and (alpha is not None or beta is not None):
             raise ValueError("alpha and beta shape prioritized sampling, but this reader samples uniformly: pass "
                              "sampler='prioritized' with them, or leave them out")
@@ -445,8 +446,8 @@ class ReplayReader(MappedStore):
     def update_priorities(self, index, priority, write_index=None, timeout: float | None = None) -> int:
         """Set the priorities of sampled rows (pass the sample itself as ``index``, or slots and
         ``write_index``); updates aimed at rows overwritten since are ignored. Returns how many
-        were applied. ``timeout``: raise ``LockBusy``, updating nothing, if ``priority.lock``
-        stays held that long by another trainer stopped inside a call (None: wait for it)."""
+        were applied. ``timeout``: ``LockBusy`` (nothing updated) if another trainer holds
+        ``priority.lock`` that long, stopped inside a call (None: wait)."""
         self._check_open()
         self.check_attached()  # into a removed storage's frozen tree, it "applied" updates nobody reads (review)
         return self._sampling.update_priorities(index, priority, write_index, timeout)
@@ -475,14 +476,8 @@ class ReplayReader(MappedStore):
     @beta.setter
     def beta(self, value: float) -> None:
         self._check_open()  # as every other use of a closed reader (review: it was taken in silence)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not 0 <= value < math.inf:
-            raise ValueError(f"beta must be a finite number >= 0, got {value!r}")
-        if self._sampling.tree is None:  # taken in silence, then a pickled copy was refused (a DataLoader worker)
-            raise ValueError("beta shapes prioritized sampling, but this reader samples uniformly "
-                             "(ReplayReader(..., sampler='prioritized'))")
-        self._sampling.beta = float(value)
-        self._options["beta"] = float(value)
+        self._sampling.set_beta(value)
+        self._options["beta"] = self._sampling.beta
 
     @property
     def last_policy_lag(self) -> tuple[int, float, int] | None:

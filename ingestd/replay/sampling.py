@@ -55,6 +55,12 @@ class Sampling:
                  weights_version: Callable[[], int] | None = None, rate_limited: bool = True):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        for name, value in (("alpha", alpha), ("beta", beta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        if weights_version is not None and not callable(weights_version):
+            raise TypeError(f"weights_version must be a callable that returns the current version (lambda: "
+                            f"store.version), got {weights_version!r}")
         if not 0 <= alpha < math.inf or not 0 <= beta < math.inf:
             raise ValueError(f"alpha and beta must be finite and >= 0, got alpha={alpha}, beta={beta}")
         if max_policy_lag is not None:
@@ -210,6 +216,16 @@ class Sampling:
         if not (math.isfinite(priority) and priority > 0):
             raise ValueError(f"priority must be finite and > 0, got {priority}")
         return self.tree.reset_max(min((priority + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
+
+    def set_beta(self, value: float) -> None:
+        """``ReplayReader.beta = value``: a finite number >= 0, for a prioritized reader only."""
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not 0 <= value < math.inf:
+            raise ValueError(f"beta must be a finite number >= 0, got {value!r}")
+        if self.tree is None:  # taken in silence, then a pickled copy was refused (a DataLoader worker)
+            raise ValueError("beta shapes prioritized sampling, but this reader samples uniformly "
+                             "(ReplayReader(..., sampler='prioritized'))")
+        self.beta = float(value)
 
     def update_priorities(self, index, priority, write_index=None, timeout: float | None = None) -> int:
         """Set the priorities of sampled rows; returns how many were applied.
