@@ -182,7 +182,7 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
     from ingestd.weights.store import WeightStore
 
     if mark is not None:
-        stored = max(stored, mark.read())
+        stored = max(stored, mark.saved)
     weights = _weight_store_past(path, manifest, initial, stored, resume, fresh_replay)
     if mark is not None:
         mark.save(weights.version)

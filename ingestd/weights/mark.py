@@ -24,6 +24,11 @@ class VersionMark:
         self._saved = self.read()
         self._warned = False
 
+    @property
+    def saved(self) -> int:
+        """The highest version saved (read once, when made)."""
+        return self._saved
+
     def read(self) -> int:
         """The saved version, 0 if there is none (or it cannot be read: said once)."""
         try:
