@@ -635,3 +635,13 @@ def test_a_push_landing_as_a_held_worker_applies_weights_ends_the_hold(tmp_path)
         rec["desired"] = Desired.STOP  # ends the hold and the loop
         loop.join(10)
     assert not loop.is_alive() and written == [1, 2], written
+
+
+def test_a_slot_cleared_for_a_restart_never_reads_empty(tmp_path):
+    """``reset`` zeroed the state (``EMPTY``) and the supervisor set ``starting`` only later: a
+    scrape or status in between dropped every series of the worker (metrics review)."""
+    stats = StatsBlock(tmp_path / "workers.stats", create=True)
+    stats[0]["state"], stats[0]["pid"], stats[0]["restarts"] = State.RUNNING, 4242, 3
+    stats.reset(0)
+    assert stats.state(0) == State.STARTING and stats[0]["pid"] == 0 and stats[0]["restarts"] == 3
+    stats.close()

@@ -145,10 +145,12 @@ class StatsBlock:
 
     def reset(self, index: int) -> None:
         """Clear a slot for a fresh worker. Keeps restarts, desired, episode counts and the last
-        error, so an operator still sees why a worker was restarted once it runs again."""
+        error, so an operator still sees why a worker was restarted once it runs again. The state
+        goes straight to ``starting``: an occupied slot never reads ``EMPTY`` (a scrape between a
+        zeroed state and the supervisor's ``starting`` dropped every series of the worker)."""
         rec = self.records[index]
-        for name in ("state", "pid", "incarnation", "chunks", "weights_version", "seed",
-                     "pause_reason", "chunk_seconds"):
+        rec["state"] = State.STARTING
+        for name in ("pid", "incarnation", "chunks", "weights_version", "seed", "pause_reason", "chunk_seconds"):
             rec[name] = 0
         rec["heartbeat"] = rec["started_at"] = time.monotonic()
 
