@@ -447,3 +447,44 @@ def test_partial_snapshots_of_dead_writers_are_removed(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_restore_killed_by_sigkill_leaves_nothing_the_next_one_trips_on(shm_dir):
+    """A restore preallocates the whole storage in ``.<dest>.partial-<pid>-<tid>``: one killed by
+    SIGKILL left it for ever (on a tmpfs, that much memory), and a retry found no room naming
+    only its own partial (snapshot review). The next save or restore of that dest removes it."""
+    import subprocess
+
+    src = filled(shm_dir / "src", "cartpole", 64, rows=64)
+    snapshot.save(src, shm_dir / "snap")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        dead = shm_dir / f".restored.partial-{gone.pid}-1"
+        writing = shm_dir / f".restored.partial-{live.pid}-2"  # another process restoring it now
+        other = shm_dir / f".other.partial-{gone.pid}-3"  # another dest's: not this restore's to judge
+        for folder in (dead, writing, other):
+            folder.mkdir()
+        snapshot.restore(shm_dir / "snap", shm_dir / "restored")
+        assert not dead.exists() and writing.exists() and other.exists()
+        with ReplayStorage.open(shm_dir / "restored") as restored, ReplayStorage.open(src) as original:
+            assert restored.write_count == original.write_count > 0
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_restore_without_room_says_so_for_a_restore(shm_dir, monkeypatch):
+    """The no-room error of ``ReplayStorage.create`` advises lowering replay.capacity or choosing
+    a replay.path, which a restore cannot do (its capacity is the snapshot's; snapshot review)."""
+    from ingestd.errors import StorageFull
+
+    snapshot.save(filled(shm_dir / "src", "cartpole", 64, rows=64), shm_dir / "snap")
+
+    def full(*args, **kwargs):
+        raise StorageFull("no room for a replay ...; lower replay.capacity or choose a replay.path with space")
+    monkeypatch.setattr(snapshot.ReplayStorage, "create", full)
+    with pytest.raises(StorageFull, match=r"no room to restore .* it needs [\d.]+ MiB, [\d.]+ MiB are free") as err:
+        snapshot.restore(shm_dir / "snap", shm_dir / "restored")
+    assert "replay.capacity" not in str(err.value) and not (shm_dir / "restored").exists()

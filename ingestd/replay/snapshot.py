@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -49,9 +50,12 @@ from typing import Callable
 import lz4.frame
 import numpy as np
 
-from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists
+from ingestd.errors import BadSnapshot, CorruptStorage, SnapshotExists, StorageFull
 from ingestd.replay import files, nstep_record, priority
-from ingestd.replay.storage import MappedStore, ReplayStorage
+from ingestd.replay.schema import schema_of
+from ingestd.replay.storage import MappedStore, ReplayStorage, storage_bytes
+
+log = logging.getLogger("ingestd.replay")
 
 FORMAT = "ingestd-replay-snapshot"
 VERSION = 1
@@ -93,6 +97,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
     if not dest.parent.is_dir():
         raise FileNotFoundError(f"cannot write the snapshot {dest}: {dest.parent} does not exist (create it first)")
     store = MappedStore(replay_path, writable=False)  # (a snapshot given here: StorageNotFound, saying so)
+    _remove_dead_partials(dest)
     tmp = _partial(dest)
     try:
         tmp.mkdir()
@@ -136,9 +141,18 @@ def restore(snapshot: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
         leaves = np.frombuffer(_read_lz4(snapshot / "priority.lz4", [8 * capacity])[0], dtype=np.float64)
         if not (np.isfinite(leaves).all() and (leaves >= 0).all()):
             raise BadSnapshot(f"{snapshot}/priority.lz4 holds priorities that are negative or not finite")
+    _remove_dead_partials(dest)
     tmp = _partial(dest)
     try:
-        with ReplayStorage.create(tmp, meta["schema"], capacity) as store:
+        try:
+            store = ReplayStorage.create(tmp, meta["schema"], capacity)
+        except StorageFull:  # its advice (replay.capacity, replay.path) is for `ingestd run`
+            vfs = os.statvfs(dest.parent)
+            need = storage_bytes(schema_of(meta["schema"]), capacity)
+            raise StorageFull(f"no room to restore {snapshot} at {dest}: it needs {need / 2**20:.1f} MiB, "
+                              f"{vfs.f_bavail * vfs.f_frsize / 2**20:.1f} MiB are free there (the capacity is the "
+                              "snapshot's); free space, or restore to another dest") from None
+        with store:
             if store._layout != meta["layout"]:
                 raise BadSnapshot(f"{snapshot}: its layout differs from the one this ingestd builds for its schema")
             _fill_rows(store, snapshot / "data.lz4", info["block_rows"])
@@ -343,6 +357,32 @@ def remove_stale_partials(folder: Path, alive: Callable[[int], bool]) -> list[Pa
 
 
 _PARTIAL = re.compile(r"\..+\.partial-(\d+)-(\d+)")
+
+
+def _remove_dead_partials(dest: Path) -> None:
+    """Before writing ``dest``: remove the partials of ``dest`` that a process killed by SIGKILL
+    left (a restore preallocates the whole storage: on a tmpfs it held that much memory, and
+    the retry found no room, naming only its own partial). Those of live processes stay."""
+    prefix = f".{dest.name}.partial-"
+    for entry in dest.parent.iterdir() if dest.parent.is_dir() else ():
+        match = _PARTIAL.fullmatch(entry.name)
+        if match is None or not entry.name.startswith(prefix) or not entry.is_dir():
+            continue
+        pid = int(match[1])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.warning("removed %s, left half-written by a killed process %d", entry, pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _partial(dest: Path) -> Path:
