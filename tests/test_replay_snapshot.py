@@ -488,3 +488,12 @@ def test_a_restore_without_room_says_so_for_a_restore(shm_dir, monkeypatch):
     with pytest.raises(StorageFull, match=r"no room to restore .* it needs [\d.]+ MiB, [\d.]+ MiB are free") as err:
         snapshot.restore(shm_dir / "snap", shm_dir / "restored")
     assert "replay.capacity" not in str(err.value) and not (shm_dir / "restored").exists()
+
+
+def test_a_dest_name_too_long_with_the_partial_suffix_is_refused_saying_so(shm_dir):
+    """A 245-character name is a valid directory name, but its partial (``.<name>.partial-PID-TID``)
+    is not: the error was a bare "File name too long" naming the partial (snapshot review)."""
+    src = filled(shm_dir / "src", "cartpole", 64, rows=64)
+    with pytest.raises(OSError, match="is too long: at most 2[0-9][0-9] bytes here"):
+        snapshot.save(src, shm_dir / ("s" * 245))
+    assert sorted(p.name for p in shm_dir.iterdir()) == ["src"]

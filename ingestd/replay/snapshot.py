@@ -386,8 +386,19 @@ def _alive(pid: int) -> bool:
 
 
 def _partial(dest: Path) -> Path:
-    """Private to this thread: two threads snapshotting to one destination never share it."""
-    return dest.with_name(f".{dest.name}.partial-{os.getpid()}-{threading.get_native_id()}")
+    """Private to this thread: two threads snapshotting to one destination never share it. A
+    ``dest`` name valid on its own but too long with the suffix is refused, saying so (it was
+    a bare "File name too long" naming the partial)."""
+    name = f".{dest.name}.partial-{os.getpid()}-{threading.get_native_id()}"
+    extra = len(os.fsencode(name)) - len(os.fsencode(dest.name))
+    if len(os.fsencode(name)) > _NAME_MAX:
+        raise OSError(errno.ENAMETOOLONG, f"the name {dest.name[:40]!r}... is too long: at most {_NAME_MAX - extra} "
+                                          "bytes here (it is first written under a longer, partial name); choose a "
+                                          "shorter one")
+    return dest.with_name(name)
+
+
+_NAME_MAX = 255  # bytes of a file name (Linux file systems)
 
 
 def _publish(tmp: Path, dest: Path) -> None:
