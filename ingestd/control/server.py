@@ -34,7 +34,7 @@ from ingestd.control.protocol import (
     PROTOCOL_VERSION, ErrorCode, Limits, RequestError, dumps, encode_error, encode_result, parse_header, peek_id,
     socket_file,
 )
-from ingestd.control.sockets import bind_private
+from ingestd.control.sockets import bind_private, bind_without_curve
 from ingestd.errors import ConfigError, LockBusy
 from ingestd.service.limits import FdWatch
 
@@ -433,26 +433,13 @@ class ControlServer:
             if not failed:
                 log.warning("control: the socket file %s was deleted or replaced; binding it again", path)
             try:  # no unbind: that would drop the clients connected through the old file
-                _bind_without_curve(sock, address)
+                bind_without_curve(sock, address)
                 entry[3], entry[4] = _identity(path), False
             except (zmq.ZMQError, OSError) as exc:  # tried again at the next check; said once
                 if not failed:
                     log.error("control: cannot bind %s again (%s); retrying every %.0f s", address, exc,
                               SOCKET_FILE_CHECK_S)
                 entry[4] = True
-
-
-def _bind_without_curve(sock: zmq.Socket, address: str) -> None:
-    """Bind an ipc address again as it was bound first: without CURVE. A listener copies the
-    socket's options when it binds, and a socket that also listens on tcp:// is a CURVE server by
-    now: its new ipc listener demanded keys, so local tools without them (ingestctl, systemd's
-    ExecReload) got no answer from the file that was bound again for them (control review)."""
-    server = sock.curve_server
-    sock.curve_server = False
-    try:
-        bind_private(sock, address)
-    finally:
-        sock.curve_server = server
 
 
 def _identity(path: str) -> tuple[int, int] | None:

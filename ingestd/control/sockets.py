@@ -36,6 +36,19 @@ def bind_private(sock, address: str) -> None:
     os.chmod(path, os.stat(path).st_mode & 0o660)
 
 
+def bind_without_curve(sock, address: str) -> None:
+    """Bind an ipc address again as it was bound first: without CURVE. A listener copies the
+    socket's options when it binds, and a socket that also listens on tcp:// is a CURVE server by
+    now: its new ipc listener demanded keys, so local tools without them (ingestctl, systemd's
+    ExecReload) got no answer from the file that was bound again for them (control review)."""
+    server = sock.curve_server
+    sock.curve_server = False
+    try:
+        bind_private(sock, address)
+    finally:
+        sock.curve_server = server
+
+
 class AddressInUse(OSError):
     """A control or event address is already taken by a live process."""
 

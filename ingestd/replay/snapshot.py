@@ -35,6 +35,7 @@ snapshot: the rate limiter's counters (a restored storage starts with the limite
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import logging
@@ -339,18 +340,21 @@ def _read_lz4(path: Path, sizes: list[int]) -> list[bytes]:
     return out
 
 
-def remove_stale_partials(folder: Path, alive: Callable[[int], bool]) -> list[Path]:
+def remove_stale_partials(folder: Path, alive: Callable[[int], bool], name: str | None = None) -> list[Path]:
     """Remove the partial snapshots a killed writer left in ``folder`` (``.<name>.partial-<pid>-<tid>``
     of a process ``alive`` says is gone, or of this one, which writes one snapshot at a time and is
-    not writing now); they would fill the disk for ever. Returns what was removed."""
+    not writing now); they would fill the disk for ever. With ``name``, only the partials of that
+    destination, and none of this process (another of its threads may be writing it). Returns what
+    was removed."""
     removed = []
-    for entry in folder.glob(".*.partial-*-*"):
+    for entry in folder.glob(".*.partial-*-*" if name is None else f"{glob.escape(f'.{name}.partial-')}*-*"):
         match = _PARTIAL.fullmatch(entry.name)
         if match is None or not entry.is_dir():
             continue
         pid = int(match[1])
-        if pid != os.getpid() and alive(pid):
-            continue  # another process (`ingestd replay snapshot`) is writing it now
+        own = pid == os.getpid()
+        if (own and name is not None) or (not own and alive(pid)):
+            continue  # another process (`ingestd replay snapshot`), or thread, is writing it now
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
@@ -363,26 +367,11 @@ def _remove_dead_partials(dest: Path) -> None:
     """Before writing ``dest``: remove the partials of ``dest`` that a process killed by SIGKILL
     left (a restore preallocates the whole storage: on a tmpfs it held that much memory, and
     the retry found no room, naming only its own partial). Those of live processes stay."""
-    prefix = f".{dest.name}.partial-"
-    for entry in dest.parent.iterdir() if dest.parent.is_dir() else ():
-        match = _PARTIAL.fullmatch(entry.name)
-        if match is None or not entry.name.startswith(prefix) or not entry.is_dir():
-            continue
-        pid = int(match[1])
-        if pid == os.getpid() or _alive(pid):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        log.warning("removed %s, left half-written by a killed process %d", entry, pid)
+    from ingestd.collect.stats import pid_alive
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    if dest.parent.is_dir():
+        for entry in remove_stale_partials(dest.parent, pid_alive, dest.name):
+            log.warning("removed %s, left half-written by a killed process", entry)
 
 
 def _partial(dest: Path) -> Path:

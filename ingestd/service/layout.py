@@ -179,8 +179,6 @@ def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = Tru
     ``stored`` (the newest version in the replay) and past ``mark`` (``ingestd.weights.mark``:
     every version published for this replay, rows or not), so a version never names two
     different sets of weights; every version published from here on is saved in ``mark``."""
-    from ingestd.weights.store import WeightStore
-
     if mark is not None:
         stored = max(stored, mark.saved)
     weights = _weight_store_past(path, manifest, initial, stored, resume, fresh_replay)

@@ -21,7 +21,7 @@ class VersionMark:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._saved = self.read()
+        self._saved = self._read()
         self._warned = False
 
     @property
@@ -29,7 +29,7 @@ class VersionMark:
         """The highest version saved (read once, when made)."""
         return self._saved
 
-    def read(self) -> int:
+    def _read(self) -> int:
         """The saved version, 0 if there is none (or it cannot be read: said once)."""
         try:
             text = self.path.read_text(encoding="ascii").strip()

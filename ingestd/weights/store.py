@@ -35,7 +35,7 @@ import torch
 
 from ingestd.errors import BadWeights, ClosedError, CorruptStorage, IngestdError, StorageFull, StorageNotFound
 from ingestd.replay import files
-from ingestd.weights.wire import Manifest, manifest_of, tensor_bytes, tensors_of
+from ingestd.weights.wire import Manifest, manifest_of, tensor_bytes, tensors_of, unwrapped
 
 MAGIC = 0x494E4745_5754_0001  # "INGEWT" + 1
 FORMAT = 1
@@ -257,9 +257,8 @@ class WeightStore:
         if got is None:
             return None
         version, state = got
-        inner = getattr(module, "_orig_mod", None)  # a torch.compile'd module: the names are its module's
-        try:
-            (inner if isinstance(inner, torch.nn.Module) else module).load_state_dict(state, strict=True)
+        try:  # a torch.compile'd module: the names are its module's
+            unwrapped(module).load_state_dict(state, strict=True)
         except RuntimeError as exc:
             raise BadWeights(f"weights in {self.path} do not fit {type(module).__name__}: {exc}") from None
         return version

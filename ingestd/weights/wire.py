@@ -257,14 +257,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 _COMPILED = "_orig_mod."  # the prefix torch.compile's wrapper puts on a module's state dict names
 
 
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile``d one wraps (whose state dict names travel), else ``module``."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else module
+
+
 def tensors_of(state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict as detached, contiguous CPU tensors; ``BadWeights`` for anything else.
 
     A ``torch.compile``d module (or its state dict, every name prefixed ``_orig_mod.``) gives
     the names of the module it wraps: the policy's."""
     if isinstance(state, torch.nn.Module):
-        inner = getattr(state, "_orig_mod", None)
-        state = (inner if isinstance(inner, torch.nn.Module) else state).state_dict()
+        state = unwrapped(state).state_dict()
     if not isinstance(state, Mapping):
         raise BadWeights(f"expected an nn.Module or a mapping of name -> tensor, got {type(state).__name__}")
     if state and all(isinstance(name, str) and name.startswith(_COMPILED) for name in state):
