@@ -139,6 +139,7 @@ def test_a_running_worker_that_waits_says_why(block, state, reason, hot):
 def test_restarts_are_counted_by_reason(block):
     """Observability review: IngestdWorkerRestarting fired on three operator restarts."""
     block[0]["state"], block[0]["restarts"], block[0]["requested_restarts"] = State.RUNNING, 5, 3
+    block[0]["failure_restarts"] = 2
     found, _, _ = scrape(block)
     assert value(found, "ingestd_worker_restarts_total", worker="0", reason="failure") == 2
     assert value(found, "ingestd_worker_restarts_total", worker="0", reason="requested") == 3

@@ -173,6 +173,11 @@ def test_reset_max_priority_brings_a_blown_up_maximum_back(shm_dir):
         assert r.reset_max_priority() == pytest.approx(1e180)  # the largest a row holds now: slot 40's
         with pytest.raises(ValueError, match="finite and > 0"):
             r.reset_max_priority(float("nan"))
+        for bad in (True, "2.0", [1.0, 2.0], torch.ones(3)):  # True was taken as 1.0 (review)
+            with pytest.raises(TypeError, match="priority must be a number > 0"):
+                r.reset_max_priority(bad)
+        assert r.reset_max_priority(torch.tensor(2.0)) == pytest.approx(2.0 + 1e-6)  # td_error.max()
+        assert r.reset_max_priority(np.float32(4.0)) == pytest.approx(4.0 + 1e-6)
     with ReplayReader(store.path) as uniform, pytest.raises(RuntimeError, match="sampler='prioritized'"):
         uniform.reset_max_priority(1.0)
 

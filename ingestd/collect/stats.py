@@ -12,10 +12,12 @@ import mmap
 import os
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 
 MAX_WORKERS = 256
+T = TypeVar("T")
 RING = 32  # finished episodes remembered per worker
 ERROR_BYTES = 240
 
@@ -93,7 +95,14 @@ RECORD = np.dtype([
     ("threads", np.int64), ("threads_wanted", np.int64),  # applied; asked for by the daemon (0: as started)
     ("profile_seq", np.int64), ("profile_done", np.int64),
     ("profile_seconds", np.float64), ("profile_path", "S256"),
+    ("failure_restarts", np.int64),  # of ``restarts``: the others (a crash, a hang, a failed start)
+    # odd while the worker writes its returns ring and returns_count (a seqlock: a reader copying the
+    # record then has a torn ring, and reads it again; see consistent)
+    ("returns_seq", np.int64),
 ], align=True)
+# a torn copy of a record is taken again at once SPINS times (the ring's write takes a few us), then
+# after RETRY_SLEEP_S each time (a worker descheduled inside it), RETRIES times in all (~2 ms)
+RETRIES, SPINS, RETRY_SLEEP_S = 24, 4, 100e-6
 
 
 def pid_alive(pid: int) -> bool:
@@ -143,6 +152,19 @@ class StatsBlock:
     def __getitem__(self, index: int) -> np.void:
         return self.records[index]
 
+    def snapshot(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(copies of records[indices], whether each copy's returns ring is whole)``: a copy
+        taken while its worker wrote the ring is taken again (``seqlocked``)."""
+        records = self.records
+        seq = records["returns_seq"]
+        before = seq[indices]  # (fancy indexing copies) read before the records, as a seqlock's reader must
+        copies = records[indices]
+        whole = consistent(before, seq[indices])
+        for j in np.flatnonzero(~whole).tolist():
+            i = int(indices[j])
+            copies[j], whole[j] = seqlocked(lambda: int(seq[i]), lambda: records[i].copy())
+        return copies, whole
+
     def reset(self, index: int) -> None:
         """Clear a slot for a fresh worker. Keeps restarts, desired, episode counts and the last
         error, so an operator still sees why a worker was restarted once it runs again. The state
@@ -150,6 +172,8 @@ class StatsBlock:
         zeroed state and the supervisor's ``starting`` dropped every series of the worker)."""
         rec = self.records[index]
         rec["state"] = State.STARTING
+        if rec["returns_seq"] % 2:  # a worker killed while writing its ring: a reader would retry for ever
+            rec["returns_seq"] += 1
         for name in ("pid", "incarnation", "chunks", "weights_version", "seed", "pause_reason", "chunk_seconds"):
             rec[name] = 0
         rec["heartbeat"] = rec["started_at"] = time.monotonic()
@@ -167,7 +191,7 @@ class StatsBlock:
 
     def recent_returns(self, index: int, n: int = RING) -> list[tuple[float, int]]:
         """The last ``n`` finished episodes (return, length), oldest first."""
-        rec = self.records[index]
+        rec = self.snapshot(np.array([index]))[0][0]
         count = int(rec["returns_count"])
         take = min(n, count, RING)
         pos = [(count - take + k) % RING for k in range(take)]
@@ -179,3 +203,22 @@ class StatsBlock:
             self._mm.close()
         except BufferError:
             pass
+
+
+def consistent(before, after):
+    """Whether records copied between reading their ring sequence ``before`` and ``after`` hold
+    a whole ring: no write was under way (even) and none began in between (the same)."""
+    return (before % 2 == 0) & (before == after)
+
+
+def seqlocked(seq: Callable[[], int], copy: Callable[[], T]) -> tuple[T, bool]:
+    """``(copy(), whether it holds a whole returns ring)``, taken again while it does not
+    (``RETRIES`` times at most): ``seq`` reads the record's live ``returns_seq``."""
+    for attempt in range(RETRIES):
+        before = seq()
+        value = copy()
+        if consistent(before, seq()):
+            return value, True
+        if attempt >= SPINS:
+            time.sleep(RETRY_SLEEP_S)
+    return value, False

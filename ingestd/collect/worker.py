@@ -275,9 +275,11 @@ class Worker:
         if n:  # only the newest RING episodes can survive in the ring: write just those, at once
             take = min(n, RING)
             slots = (count + n - take + np.arange(take)) % RING
+            rec["returns_seq"] += 1  # odd: a reader copying the record now reads it again (stats.consistent)
             rec["returns"][slots] = finished.returns[n - take:]
             rec["lengths"][slots] = finished.lengths[n - take:]
-        rec["returns_count"] = count + n
+            rec["returns_count"] = count + n
+            rec["returns_seq"] += 1
         rec["episodes"] += n
         rec["frames"] += frames
         rec["chunks"] += 1

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ingestd.collect.stats import pid_alive  # noqa: F401 - handlers import it from here
+from ingestd.collect.stats import pid_alive, seqlocked  # noqa: F401 - handlers import it from here
 from ingestd.control.commands import Request
 from ingestd.control.protocol import ErrorCode, Preencoded, RequestError
 
@@ -25,6 +25,8 @@ POLL_S = 0.0005  # how often a waiting command re-reads the stats blocks
 LIVENESS_EVERY = 20  # polls between /proc liveness checks of the workers waited for
 RATE_WINDOW_S = 5.0
 
+
+_SEQ = struct.Struct("=q")  # a record's returns_seq word
 
 class FrameRates:
     """frames/s per worker over a sliding window; sampled by the control thread only."""
@@ -75,14 +77,19 @@ class RecordReader:
         self._record = struct.Struct(fmt)
         self._scalars = tuple((name, i) for i, name in enumerate(names) if name in self.SCALARS)
         self._returns_at, self._error_at = names.index("returns"), names.index("error")
+        self._seq_at = dtype.fields["returns_seq"][1]
 
     def read(self, index: int) -> tuple[dict[str, Any], list[float], str]:
         """``(scalars, recent returns oldest first, error)`` of worker ``index``."""
-        words = self._record.unpack_from(self._bytes, index * self._size)
+        at = index * self._size
+        words, whole = seqlocked(lambda: _SEQ.unpack_from(self._bytes, at + self._seq_at)[0],
+                                 lambda: self._record.unpack_from(self._bytes, at))
         values = {name: words[i] for name, i in self._scalars}
         count, ring = values["returns_count"], self._ring
         returns = words[self._returns_at:self._returns_at + ring]
-        if count < ring:
+        if not whole:  # its worker stopped inside the ring's write: no returns rather than mixed ones
+            recent = []
+        elif count < ring:
             recent = list(returns[:count])
         else:
             start = count % ring

@@ -171,14 +171,16 @@ class IngestdCollector(Collector):
                                           value=time.perf_counter() - t0))
         yield from families
 
-    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, records) of every non-empty worker slot, copied out of shared memory."""
+    def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(indices, records, whether each record's returns ring is whole) of every non-empty
+        worker slot, copied out of shared memory (``StatsBlock.snapshot``)."""
         records = self.stats.records
         indices = np.flatnonzero(records["state"] != int(State.EMPTY))
-        return indices, records[indices]  # fancy indexing copies: later reads are self-consistent
+        recs, whole = self.stats.snapshot(indices)  # copies: later reads are self-consistent
+        return indices, recs, whole
 
     def _workers(self) -> list[Metric]:
-        indices, recs = self._snapshot()
+        indices, recs, whole = self._snapshot()
         current = self._weights_version()
         now = self.clock()
         families = {key: kind(name, doc, labels=["worker"]) for key, kind, name, doc in WORKER_METRICS}
@@ -194,20 +196,20 @@ class IngestdCollector(Collector):
                                     "(limiter: held back by the rate limiter; priority_lock: its commit waits "
                                     "over 0.5 s for a trainer's priority.lock), 0 for the other reasons.",
                                     labels=["worker", "reason"])
-        for index, rec in zip(indices.tolist(), recs):
+        for index, rec, ring_whole in zip(indices.tolist(), recs, whole.tolist()):
             w = [str(index)]
-            for key, value in self._worker_values(rec, current, now).items():
+            for key, value in self._worker_values(rec, current, now, ring_whole).items():
                 families[key].add_metric(w, value)
-            requested = int(rec["requested_restarts"])
-            restarts.add_metric(w + ["failure"], int(rec["restarts"]) - requested)
-            restarts.add_metric(w + ["requested"], requested)
+            restarts.add_metric(w + ["failure"], int(rec["failure_restarts"]))
+            restarts.add_metric(w + ["requested"], int(rec["requested_restarts"]))
             for s in STATES:
                 state.add_metric(w + [s.label], 1 if int(rec["state"]) == s else 0)
             shown = shown_reason(int(rec["state"]), int(rec["pause_reason"]))
             for family, reasons in ((paused, PAUSES), (waiting, WAITS)):
                 for r in reasons:
                     family.add_metric(w + [r.label], 1 if shown == r else 0)
-            self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
+            if ring_whole:  # else the next scrape feeds them: the cursor stays where it was
+                self.returns.feed(index, int(rec["returns_count"]), rec["returns"])
         return [*families.values(), restarts, state, paused, waiting,
                 GaugeMetricFamily("ingestd_workers_desired", "Workers the daemon is configured to run.",
                                   value=int(self.desired_workers())),
@@ -219,8 +221,9 @@ class IngestdCollector(Collector):
                                     "overwritten in the ring before a scrape could read it.",
                                     value=self.returns.dropped)]
 
-    def _worker_values(self, rec: np.void, current: int, now: float) -> dict[str, float]:
-        """One worker's values, keyed as in ``WORKER_METRICS`` (``mean`` only once an episode finished)."""
+    def _worker_values(self, rec: np.void, current: int, now: float, ring_whole: bool) -> dict[str, float]:
+        """One worker's values, keyed as in ``WORKER_METRICS`` (``mean`` only once an episode finished,
+        and with ``ring_whole``: the record's returns ring was not copied mid-write)."""
         applied = int(rec["weights_version"])
         alive = int(rec["state"]) in _ALIVE_STATES and child_alive(int(rec["pid"]), self.parent_pid)
         age = heartbeat_age(rec, now)  # None as in status; NaN, not an age that grows for ever
@@ -236,7 +239,7 @@ class IngestdCollector(Collector):
         }
         recent = rec["returns"][:min(int(rec["returns_count"]), RING)]
         recent = recent[np.isfinite(recent)]
-        if recent.size:
+        if recent.size and ring_whole:  # (a torn ring: no mean this scrape rather than a mixed one)
             values["mean"] = float(recent.mean())
         return values
 

@@ -213,9 +213,17 @@ class Sampling:
             raise RuntimeError("reset_max_priority needs ReplayReader(..., sampler='prioritized')")
         if priority is None:
             return self.tree.reset_max()
-        if not (math.isfinite(priority) and priority > 0):
+        if isinstance(priority, (bool, np.bool_, str, bytes)):  # True was taken as 1.0, "2" failed in math
+            raise TypeError(f"priority must be a number > 0 (or None: the largest the rows hold now), got "
+                            f"{priority!r} ({type(priority).__name__})")
+        try:
+            value = float(priority)  # a 0-d tensor (td_error.max()) is a number too
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"priority must be a number > 0 (or None: the largest the rows hold now), got "
+                            f"{type(priority).__name__} {priority!r:.80}") from None
+        if not (math.isfinite(value) and value > 0):
             raise ValueError(f"priority must be finite and > 0, got {priority}")
-        return self.tree.reset_max(min((priority + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
+        return self.tree.reset_max(min((value + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
 
     def set_beta(self, value: float) -> None:
         """``ReplayReader.beta = value``: a finite number >= 0, for a prioritized reader only."""

@@ -183,9 +183,7 @@ class Supervisor:
         a crash-looping worker is retried this rarely, not every backoff)."""
         slot.failures, slot.streak, slot.failed_at = 0, 0, None
         rec = self.stats[index]
-        rec["restarts"] += 1
-        if reason == "requested":
-            rec["requested_restarts"] += 1
+        _count_restart(rec, requested=reason == "requested")
         rec["state"], rec["pid"] = State.STARTING, 0
         slot.start_at = self._clock()
         self._on_event("worker.restarted", worker=index, reason=reason, after_s=0.0)
@@ -239,8 +237,7 @@ class Supervisor:
             return
         if slot.restarting:
             slot.restarting = False
-            rec["restarts"] += 1
-            rec["requested_restarts"] += 1
+            _count_restart(rec, requested=True)
             slot.start_at = now
             self._on_event("worker.restarted", worker=index, reason="requested", after_s=0.0)
             return
@@ -264,7 +261,7 @@ class Supervisor:
                       index, slot.failures, between, error)
             self._mark_failed(index, slot, error)
             return
-        rec["restarts"] += 1
+        _count_restart(rec, requested=False)
         # starting again after the backoff; until then status must not show the dead process as
         # running or paused, with its pid and an ever older heartbeat
         rec["state"], rec["pid"] = State.STARTING, 0
@@ -354,3 +351,10 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _count_restart(rec, requested: bool) -> None:
+    """One restart: its reason's counter (each a metric that must never step back, so each is
+    its own word bumped in one store, not a difference of two) and the total."""
+    rec["requested_restarts" if requested else "failure_restarts"] += 1
+    rec["restarts"] += 1
