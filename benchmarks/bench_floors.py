@@ -21,6 +21,8 @@ can be set beside the target:
   ``produced_in_ring`` has the env cut its frames straight into the ring (each frame stored
   once and never copied: deduplication plus an env that writes into the storage's slots).
   The last is the ceiling of any implementation that keeps every frame.
+- ``cartpole_designs`` (only with ``--only cartpole_designs``): floors of three ways a
+  1-worker CartPole rollout could hand its rows on (its docstring), against the bare loop.
 - ``sample_batch_objects``: what a ``sample(256)`` returning a new TensorDict pays for its
   objects alone, with no rows copied: the 16 leaf tensors of a CartPole row, viewed out
   of 4 numpy blocks, and the 3 nested TensorDicts (tensordict's unchecked constructor),
@@ -184,6 +186,80 @@ def cartpole_store(workdir: str, seconds: float, rounds: int) -> dict:
             "efficiency_ceiling": round(stored_rate / bare_rate, 3), "target": TARGETS["cartpole_efficiency"]}
 
 
+
+def cartpole_designs(workdir: str, seconds: float, rounds: int) -> dict:
+    """Floors of three ways a 1-worker CartPole rollout could hand its rows on (256 envs, MLP,
+    64-step chunks), each against the bare loop, to see which could reach 0.9 before stamps,
+    episode accounting, checks or the priority tree (together ~1 ms a chunk here):
+
+    - ``walk``: each step's transition read into a dict of its leaves (``rollout._leaves_of``)
+      and kept until the next step: the least any rollout that reads the env's rows does;
+    - ``keep_stack``: the 64 steps' leaves kept and each stacked once into a ``[64, 256, ...]``
+      buffer (ingestd's rollout without its bookkeeping): what the worker alone would still
+      pay if another process packed its chunks into the ring from shared buffers;
+    - ``step_copy``: each step's leaves copied at once (one ``torch._foreach_copy_``) into
+      strided views of a staging area in the ring's record layout (128-byte records), then
+      one memcpy of the chunk into a million-row ring: no stack and no pack."""
+    from ingestd.collect.rollout import _leaves_of
+
+    env, policy = CASES["cartpole_mlp"].build()
+    steps, n, record = 64, env.num_envs, 128
+    rows = steps * n
+    dest = torch.from_numpy(ring(workdir, "designs.bin", 1_000_000 // rows * rows, record))
+    state = {"root": env.reset(), "slot": 0}
+    first = _leaves_of(env.step_and_maybe_reset(policy(state["root"]))[0])
+    keys = sorted(first, key=lambda k: -first[k].element_size())  # the record's order: no padding
+    staging, views, offset = torch.zeros((rows, record), dtype=torch.uint8), {}, 0
+    buffers = {k: torch.empty((steps, *v.shape), dtype=v.dtype) for k, v in first.items()}
+    for key in keys:
+        leaf, size = first[key], first[key].element_size()
+        width = leaf[0].numel()
+        typed = staging.view(leaf.dtype)[:, offset // size:offset // size + width]
+        views[key] = typed.reshape(steps, *leaf.shape)
+        offset += width * size
+    per_step = [[views[k][t] for k in keys] for t in range(steps)]
+
+    def bare() -> int:
+        for _ in range(steps):
+            _, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+        return rows
+
+    def walk() -> int:
+        for _ in range(steps):
+            transition, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+            leaves = _leaves_of(transition)
+        del leaves
+        return rows
+
+    def keep_stack() -> int:
+        kept = []
+        for _ in range(steps):
+            transition, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+            kept.append(_leaves_of(transition))
+        for key, buf in buffers.items():
+            torch.stack([leaves[key] for leaves in kept], out=buf)
+        return rows
+
+    def step_copy() -> int:
+        for t in range(steps):
+            transition, state["root"] = env.step_and_maybe_reset(policy(state["root"]))
+            leaves = _leaves_of(transition)
+            torch._foreach_copy_(per_step[t], [leaves[k] for k in keys])
+        s = state["slot"]
+        dest[s:s + rows].copy_(staging)
+        state["slot"] = (s + rows) % dest.shape[0]
+        return rows
+
+    loops = {"bare": bare, "walk": walk, "keep_stack": keep_stack, "step_copy": step_copy}
+    rates: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(rounds):  # in alternation: the VM's speed drifts
+        for name, fn in loops.items():
+            rates[name].append(per_cpu_second(fn, seconds, 1))
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    return {"bare_frames_per_cpu_s": round(median["bare"]),
+            "efficiency_ceiling": {name: round(median[name] / median["bare"], 3) for name in loops if name != "bare"},
+            "target": TARGETS["cartpole_efficiency"]}
+
 def cartpole_batch(n: int) -> TensorDict:
     obs = torch.zeros(n, 4)
     flags = {f: torch.zeros(n, 1, dtype=torch.bool) for f in ("done", "terminated", "truncated")}
@@ -248,11 +324,16 @@ def sample_batch_objects(workdir: str, seconds: float, rounds: int) -> dict:
             "target_calls_per_s": TARGETS["cartpole_sample_256_calls_per_s"]}
 
 
+FLOORS = {"pixel_gather": pixel_gather, "pixels_store": pixels_store, "cartpole_store": cartpole_store,
+          "sample_batch_objects": sample_batch_objects}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=1.5, help="length of each timed window")
     parser.add_argument("--rounds", type=int, default=5, help="windows per figure (median)")
-    parser.add_argument("--only", choices=("pixel_gather", "pixels_store", "cartpole_store", "sample_batch_objects"), action="append")
+    parser.add_argument("--only", choices=(*FLOORS, "cartpole_designs"), action="append",
+                        help="one floor (repeatable); cartpole_designs runs only when named")
     args = parser.parse_args(argv)
     from ingestd.collect.rollout import no_autograd
     from ingestd.collect.worker import keep_heap
@@ -264,10 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average_start": [round(x, 2) for x in os.getloadavg()],
               "settings": {"seconds": args.seconds, "rounds": args.rounds}}
     try:
-        for name, fn in (("pixel_gather", pixel_gather), ("pixels_store", pixels_store),
-                         ("cartpole_store", cartpole_store), ("sample_batch_objects", sample_batch_objects)):
-            if args.only is None or name in args.only:
-                stepping = name in ("pixels_store", "cartpole_store")  # env loops: in the workers' mode
+        for name, fn in (*FLOORS.items(), ("cartpole_designs", cartpole_designs)):
+            if (args.only is None and name in FLOORS) or name in (args.only or ()):
+                stepping = name in ("pixels_store", "cartpole_store", "cartpole_designs")  # env loops: the workers' mode
                 with no_autograd() if stepping else contextlib.nullcontext():
                     report[name] = fn(work, args.seconds, args.rounds)
     finally:

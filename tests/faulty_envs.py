@@ -8,7 +8,10 @@ import time
 
 import torch
 
+from ingestd.collect.envs.base import TorchEnv
+from ingestd.collect.interfaces import EnvSpec
 from ingestd.collect.registry import make_env
+from ingestd.service.probe import PROBE_ENVS
 
 
 class _Wrapped:
@@ -172,10 +175,10 @@ def nan_reward(ctx, **kw):
 
 def slow_start(ctx, seconds: float = 2.0):
     """A Checksum env whose workers take ``seconds`` to build it (a simulator loading its assets);
-    the daemon's one-sub-env schema probe builds it at once."""
+    the daemon's start-up probe (at most PROBE_ENVS sub-envs) builds it at once."""
     import time
 
-    if ctx.num_envs > 1:
+    if ctx.num_envs > PROBE_ENVS:
         time.sleep(seconds)
     return make_env("Checksum", ctx, {})
 
@@ -190,11 +193,11 @@ def failing_reset(ctx, **kw):
 
 
 class SlowSteps(_Wrapped):
-    """Every step takes ``step_s`` (a slow simulator); the daemon's one-sub-env probe does not wait."""
+    """Every step takes ``step_s`` (a slow simulator); the daemon's start-up probe does not wait."""
 
     def __init__(self, ctx, step_s: float = 0.5):
         super().__init__(ctx)
-        self.step_s = step_s if ctx.num_envs > 1 else 0.0
+        self.step_s = step_s if ctx.num_envs > PROBE_ENVS else 0.0
 
     def fault(self, transition):
         time.sleep(self.step_s)
@@ -206,8 +209,8 @@ def slow_steps(ctx, **kw):
 
 def failing_build(ctx, only_worker: int = -1):
     """A Checksum env that worker ``only_worker`` (every worker: -1) cannot build: it fails
-    before it ever runs (the daemon's one-sub-env schema probe builds it fine)."""
-    if ctx.num_envs > 1 and only_worker in (-1, ctx.worker):
+    before it ever runs (the daemon's start-up probe, of at most PROBE_ENVS sub-envs, builds it fine)."""
+    if ctx.num_envs > PROBE_ENVS and only_worker in (-1, ctx.worker):
         raise RuntimeError("simulated env build failure")
     return make_env("Checksum", ctx, {})
 
@@ -215,10 +218,11 @@ def failing_build(ctx, only_worker: int = -1):
 def forking(ctx, pid_file: str = "", seconds: float = 120.0):
     """A Checksum env whose workers fork a helper that outlives them (as a multiprocessing pool
     or gymnasium's async vector env would), its pid appended to ``pid_file``. The helper only
-    sleeps: a forked child must not run torch ops."""
+    sleeps: a forked child must not run torch ops. Not in the daemon's start-up probe (whose env
+    has at most ``PROBE_ENVS`` sub-envs): a helper of the daemon itself is another test."""
     import os
 
-    if ctx.num_envs > 1:
+    if ctx.num_envs > PROBE_ENVS:
         pid = os.fork()
         if pid == 0:
             try:
@@ -275,3 +279,21 @@ def gradient_planner(spec, steps: int = 2, calibrate: bool = False):
     if calibrate:
         plan(torch.zeros(1, *spec.observation_shape))
     return act
+
+
+class Drift(TorchEnv):
+    """docs/from-torchrl.md's plugin env: a point on a line pushed by a continuous action ``[B, 1]``
+    (its state ``[B, 1]`` += the action: a ``[B]`` action broadcasts it to ``[B, B]``)."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx, EnvSpec(observation_shape=(1,), observation_dtype=torch.float32, action_shape=(1,),
+                                      action_dtype=torch.float32, action_low=(-1.0,), action_high=(1.0,)))
+        self.x = torch.zeros(ctx.num_envs, 1)
+
+    def _reset(self, mask):
+        self.x.zero_()
+        return self.x.clone()
+
+    def _step(self, action):
+        self.x += 0.1 * action.clamp(-1, 1)
+        return self.x.clone(), -self.x.abs().squeeze(-1), self.x.abs().squeeze(-1) > 1, self.x[:, 0] != self.x[:, 0], {}

@@ -430,3 +430,29 @@ def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[workers]\ncount = 3\n")
     assert load_config(path).workers.count == 3
+
+
+def test_config_check_refuses_an_existing_replay_that_run_would(tmp_path, capsys):
+    """A replay at replay.path that the config's rows or capacity do not fit: `check` said "ok;
+    reopening it", then `run` exited 78 (walkthrough review: right after changing the env)."""
+    from ingestd.replay.storage import ReplayStorage
+    from ingestd.service.cli import main
+    from ingestd.service.config import resolve_paths
+    from ingestd.service.probe import check_buildable
+
+    replay = tmp_path / "replay"
+    base = f'[replay]\npath = "{replay}"\ncapacity = 4096\n[workers]\nnum_envs = 4\n'
+    config = load_config(write(tmp_path, base), [])
+    rows, _ = check_buildable(config, resolve_paths(config, {}))
+    ReplayStorage.create(replay, rows, 4096).close()
+    before = sorted(p.name for p in replay.iterdir())
+    for settings, status, phrase in [
+        ([], 0, f"ok; replay {replay} exists: reopening it"),
+        (["replay.capacity=8192"], 78, "config key 'replay.capacity': "),
+        (['workers.env="Checksum"', 'workers.policy="Random"'], 78, "config key 'replay.path': "),
+        (["workers.n_step=3"], 78, "config key 'workers.n_step': "),
+    ]:
+        got = main(["config", "check", str(write(tmp_path, base)), *[a for s in settings for a in ("--set", s)]])
+        out = capsys.readouterr()
+        assert got == status and phrase in out.out + out.err, (settings, out)
+    assert sorted(p.name for p in replay.iterdir()) == before  # nothing made or changed there

@@ -227,6 +227,26 @@ def test_ingestctl_resume_says_which_workers_a_spent_budget_keeps_paused(capsys)
         assert (says in out) if says else "stay paused" not in out, out
 
 
+def test_ingestctl_push_says_a_budget_paused_worker_does_not_apply_it_on_resume(capsys, monkeypatch):
+    """A push to a worker paused by a spent workers.total_frames said it "applies it on resume",
+    which a resume cannot do (walkthrough review)."""
+    from types import SimpleNamespace
+
+    from ingestd.control import cli
+    from ingestd.control.commands import Pushed
+
+    monkeypatch.setattr(cli, "load_state_dict", lambda file, key: {})
+    workers = [SimpleNamespace(index=0, pause_reason="budget"), SimpleNamespace(index=1, pause_reason="requested")]
+    fake = SimpleNamespace(push_weights_detailed=lambda state, wait, timeout_s: Pushed(7, [], [0, 1], 0.01),
+                           status=lambda: SimpleNamespace(workers=workers))
+    for no_wait in (False, True):
+        args = SimpleNamespace(file="w.pt", key=None, no_wait=no_wait, wait=None)
+        assert cli._push(fake, args, cli.Output(as_json=False)) == 0
+        out = capsys.readouterr().out
+        assert "; paused workers 1 apply it on resume; workers 0 are paused by workers.total_frames (reached): they " \
+               "apply it only if they collect again" in out, out
+
+
 def test_ipc_socket_mode_is_private_even_with_a_lax_umask(tmp_path):
     old = os.umask(0)
     sock = zmq.Context.instance().socket(zmq.ROUTER)

@@ -383,7 +383,7 @@ def test_config_check_tells_a_misfit_action_a_bug_and_a_transient_failure_apart(
     pendulum = ["workers.env=\"Gym\"", "workers.env_kwargs={id=\"Pendulum-v1\"}",
                 "workers.policy=\"faulty_envs:odd_policy\""]
     settings, status, said = {
-        "flat": (pendulum + ["workers.policy_kwargs={mode=\"flat\"}"], 78, "float32[1] actions, env Gym's spec says"),
+        "flat": (pendulum + ["workers.policy_kwargs={mode=\"flat\"}"], 78, "float32[B] actions, env Gym's spec says"),
         "float64": (pendulum + ["workers.policy_kwargs={mode=\"float64\"}"], 0, "stored as the policy makes them"),
         "bug": (["workers.env=\"faulty_envs:raising\""], 78, "simulated env failure in step"),
         "reset": (["workers.env=\"faulty_envs:failing_reset\""], 78, "'workers.env': env faulty_envs:failing_reset "
@@ -548,8 +548,8 @@ PROBE_FAILURES = {
     **{f"policy {mode}": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
                            'workers.policy="faulty_envs:odd_policy"', f'workers.policy_kwargs={{mode="{mode}"}}'],
                           "workers.policy", why)
-       for mode, why in (("wide", "float32[1, 2] actions, but env Gym takes float32[1, 1]"),
-                         ("int64", "int64[1, 1] actions"), ("key", "no 'action' tensor"))},
+       for mode, why in (("wide", "float32[B, 2] actions, but env Gym takes float32[B, 1]"),
+                         ("int64", "int64[B, 1] actions"), ("key", "no 'action' tensor"))},
     "env step": (['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1", g="heavy"}',
                   'workers.policy="faulty_envs:odd_policy"', 'workers.policy_kwargs={mode="fits"}'],
                  "workers.env", "failed stepping"),

@@ -119,6 +119,21 @@ def test_the_start_up_probe_refuses_the_first_bad_action_naming_the_policy(setti
     assert err.value.key == named and said in str(err.value), err.value
 
 
+def test_the_start_up_probe_finds_an_action_that_only_one_sub_env_hides():
+    """A ``[B]`` action for a ``[B, 1]`` spec: with the probe's one sub-env it held as many elements
+    and passed, then every worker crash-looped on the env's broadcast to ``[B, B]`` (walkthrough)."""
+    config = load_config(None, ['workers.env="faulty_envs:Drift"', 'workers.policy="faulty_envs:odd_policy"',
+                                'workers.policy_kwargs={mode="flat"}', "workers.num_envs=8"])
+    with pytest.raises(ConfigError) as err:
+        check_buildable(config, resolve_paths(config, os.environ))
+    assert err.value.key == "workers.env" and "policy faulty_envs:odd_policy's action" in str(err.value), err.value
+    assert "acts with float32[B] actions, the env's spec says float32[B, 1]" in str(err.value), err.value
+    fits = load_config(None, ['workers.env="faulty_envs:Drift"', 'workers.policy="faulty_envs:odd_policy"',
+                              "workers.num_envs=1"])  # one sub-env: the probe has no second to take
+    rows, _ = check_buildable(fits, resolve_paths(fits, os.environ))
+    assert rows.get("action").shape == (1, 1)
+
+
 def test_the_start_up_probe_accepts_them_with_clip():
     config = load_config(None, ['workers.env="Gym"', 'workers.env_kwargs={id="Pendulum-v1"}',
                                 'workers.policy="faulty_envs:odd_policy"', 'workers.action_bounds="clip"',

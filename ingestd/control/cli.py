@@ -313,12 +313,19 @@ def _pause_resume(client, args, out: Output) -> int:
     def text() -> str:
         said = f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}"
         if args.command == "resume":  # acknowledged, yet a spent frame budget keeps them paused: say so
-            held = [w.index for w in client.status().workers if w.pause_reason == "budget"]
+            held = _budget_held(client)
             if held:
                 said += (f"; workers {_list(held)} stay paused: workers.total_frames is reached (raise it and "
                          "restart the daemon to collect more)")
         return said
     return out.ok(acked.to_json(), text)
+
+
+def _budget_held(client, among: list[int] | None = None) -> list[int]:
+    """Workers (of ``among``) that a spent ``workers.total_frames`` budget keeps paused: a resume
+    does not start them (``status``' pause reason)."""
+    return [w.index for w in client.status().workers
+            if w.pause_reason == "budget" and (among is None or w.index in among)]
 
 
 def _restart(client, args, out: Output) -> int:
@@ -336,14 +343,25 @@ def _scale(client, args, out: Output) -> int:
 def _push(client, args, out: Output) -> int:
     state = load_state_dict(args.file, args.key)
     pushed = client.push_weights_detailed(state, wait=not args.no_wait, timeout_s=args.wait)
-    deferred = f"; paused workers {_list(pushed.deferred)} apply it on resume" if pushed.deferred else ""
+
+    def deferred() -> str:
+        if not pushed.deferred:
+            return ""
+        held = _budget_held(client, pushed.deferred)  # "apply it on resume" was a promise a resume cannot keep
+        waiting = [i for i in pushed.deferred if i not in held]
+        said = f"; paused workers {_list(waiting)} apply it on resume" if waiting else ""
+        if held:
+            said += (f"; workers {_list(held)} are paused by workers.total_frames (reached): they apply it only "
+                     "if they collect again (raise it and restart the daemon)")
+        return said
+
     if args.no_wait:  # nothing was waited for, so "applied by workers none" would read as a failure
-        return out.ok(pushed.to_json(), f"weights v{pushed.version}: published in {_ms(pushed.seconds)}; workers "
-                                        f"apply it between chunks (not waited for){deferred}")
+        return out.ok(pushed.to_json(), lambda: f"weights v{pushed.version}: published in {_ms(pushed.seconds)}; "
+                                                f"workers apply it between chunks (not waited for){deferred()}")
     dropped = (f"; workers {_list(pushed.dropped)} died or stopped before applying it (they load it when they "
                "restart)" if pushed.dropped else "")
-    return out.ok(pushed.to_json(), f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
-                                    f"in {_ms(pushed.seconds)}{deferred}{dropped}")
+    return out.ok(pushed.to_json(), lambda: f"weights v{pushed.version}: applied by workers {_list(pushed.applied)} "
+                                            f"in {_ms(pushed.seconds)}{deferred()}{dropped}")
 
 
 def _profile(client, args, out: Output) -> int:

@@ -39,6 +39,23 @@ from ingestd.replay.schema import describe_diff, flat_leaves, schema_of
 log = logging.getLogger("ingestd.replay")
 
 
+def check_matches(path, meta: dict, example_or_spec, capacity: int | None) -> None:
+    """Whether the storage at ``path`` (its ``meta``: ``files.read_meta``) takes rows like
+    ``example_or_spec`` (None: any) at ``capacity`` (None: any); ``CapacityMismatch`` or
+    ``SchemaMismatch`` if not. ``ReplayStorage.open`` checks this, and ``ingestd config check``
+    without opening it."""
+    if capacity is not None and int(capacity) != meta["capacity"]:
+        raise CapacityMismatch(
+            f"{path} holds a storage of capacity {meta['capacity']}, not {capacity}; "
+            "use the same capacity, or point the replay at a new path")
+    if example_or_spec is None:
+        return
+    wanted = schema_of(example_or_spec)
+    if wanted != meta["schema"]:
+        raise SchemaMismatch(f"{path} holds a different schema: {describe_diff(meta['schema'], wanted)}; "
+                             "use a new replay path for a different env (nothing was changed)")
+
+
 def storage_bytes(schema: dict[Key, Leaf], capacity: int) -> int:
     """The bytes a storage of ``schema`` and ``capacity`` takes: its files and its priority tree."""
     return files.replay_bytes(schema, capacity) + priority.file_bytes(capacity)
@@ -226,16 +243,7 @@ class ReplayStorage(MappedStore):
         return cls.open(path, example_or_spec, capacity, recover=recover)
 
     def _check_matches(self, example_or_spec, capacity: int | None) -> None:
-        if capacity is not None and int(capacity) != self.capacity:
-            raise CapacityMismatch(
-                f"{self.path} holds a storage of capacity {self.capacity}, not {capacity}; "
-                "use the same capacity, or point the replay at a new path")
-        if example_or_spec is None:
-            return
-        wanted = schema_of(example_or_spec)
-        if wanted != self.schema:
-            raise SchemaMismatch(f"{self.path} holds a different schema: {describe_diff(self.schema, wanted)}; "
-                                 "use a new replay path for a different env (nothing was changed)")
+        check_matches(self.path, {"capacity": self.capacity, "schema": self.schema}, example_or_spec, capacity)
 
     # -- writing ---------------------------------------------------------------
     def _locked(self):

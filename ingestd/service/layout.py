@@ -2,6 +2,7 @@
 where they live, and what each worker process is handed."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -112,8 +113,30 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
     naming replay.path, and another capacity one naming replay.capacity: no restart fixes
     them. Nothing there is changed. (StorageFull keeps its type; ``ingestd run`` exits 78 for
     it too.)"""
-    try:
+    with _replay_errors(path, example):
         return ReplayStorage.open_or_create(path, example, capacity, recover=True)
+
+
+def check_reopenable(path, example, capacity: int, workers) -> None:
+    """``ingestd config check`` on an existing replay: what ``_open_replay`` and ``_check_nstep``
+    would refuse (another capacity, schema or n-step setting, a damaged meta.json), from its
+    files alone, changing nothing (it said "ok; reopening it", then ``run`` exited 78 on the
+    schema of the env the user had just changed: walkthrough review)."""
+    from ingestd.replay.files import read_meta
+    from ingestd.replay.storage import check_matches
+
+    with _replay_errors(path, example, unusable=False):  # (an OSError: replay_room's "cannot look there")
+        meta = read_meta(Path(path))
+        check_matches(path, meta, example, capacity)
+        _nstep_conflict(path, meta["schema"], workers)
+
+
+@contextlib.contextmanager
+def _replay_errors(path, example, unusable: bool = True):
+    """The replay's refusals as config errors naming the key at fault (see ``_open_replay``);
+    an ``OSError`` too with ``unusable``, else as it came."""
+    try:
+        yield
     except CapacityMismatch as exc:
         raise ConfigError("replay.capacity", f"{exc} (nothing there was changed)") from None
     except SchemaMismatch as exc:
@@ -133,7 +156,7 @@ def _open_replay(path, example, capacity: int) -> ReplayStorage:
     except FileExistsError as exc:  # a file, or a directory holding other files
         raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
     except OSError as exc:
-        if isinstance(exc, IngestdError):
+        if isinstance(exc, IngestdError) or not unusable:
             raise
         raise_unusable_path("replay.path", exc, f"cannot use {path} as the replay storage ({exc.filename})")
 
@@ -144,28 +167,39 @@ def _check_nstep(storage: ReplayStorage, workers) -> None:
     same), and a trainer could not tell them apart. Another setting is a config error naming the
     key; a replay of n-step rows that recorded none (made before ingestd recorded it) records
     the running ones."""
-    from ingestd.collect.nstep import STEPS_KEY
     from ingestd.replay import nstep_record
 
-    if (STEPS_KEY,) not in storage.schema:
-        return  # 1-step rows: gamma is not in them (and n_step > 1 would be another schema)
-    want = {"n_step": workers.n_step, "gamma": float(workers.gamma)}
-    try:
-        recorded = nstep_record.read(storage.path)
-    except CorruptStorage as exc:
-        raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
-    if recorded is None:
+    if _nstep_conflict(storage.path, storage.schema, workers) == "unrecorded":
+        want = {"n_step": workers.n_step, "gamma": float(workers.gamma)}
         if storage.write_count:
             log.warning("replay %s: its n-step rows recorded no settings; recording the running ones (n_step=%d, "
                         "gamma=%g)", storage.path, want["n_step"], want["gamma"])
         nstep_record.write(storage.path, **want)
-    elif recorded != want:
+
+
+def _nstep_conflict(path, schema, workers) -> str:
+    """``_check_nstep``'s refusal, reading only: ``"unrecorded"`` for n-step rows that recorded no
+    settings, else ``""``."""
+    from ingestd.collect.nstep import STEPS_KEY
+    from ingestd.replay import nstep_record
+
+    if (STEPS_KEY,) not in schema:
+        return ""  # 1-step rows: gamma is not in them (and n_step > 1 would be another schema)
+    want = {"n_step": workers.n_step, "gamma": float(workers.gamma)}
+    try:
+        recorded = nstep_record.read(path)
+    except CorruptStorage as exc:
+        raise ConfigError("replay.path", f"{exc} (nothing there was changed)") from None
+    if recorded is None:
+        return "unrecorded"
+    if recorded != want:
         key = "workers.n_step" if recorded["n_step"] != want["n_step"] else "workers.gamma"
-        raise ConfigError(key, f"the replay at {storage.path} holds n-step rows of n_step={recorded['n_step']}, "
+        raise ConfigError(key, f"the replay at {path} holds n-step rows of n_step={recorded['n_step']}, "
                                f"gamma={recorded['gamma']:g}; rows of n_step={want['n_step']}, "
                                f"gamma={want['gamma']:g} would mix returns of another discount into it, and no "
                                "row says which it has. Set workers.n_step and workers.gamma back, or point "
                                "replay.path at a new replay (nothing there was changed)")
+    return ""
 
 
 def _weight_store(path, manifest, initial: dict, stored: int, resume: bool = True, fresh_replay: bool = False,

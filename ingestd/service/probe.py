@@ -57,7 +57,10 @@ def replay_room(config, paths, rows) -> str:
 
     replay, capacity = Path(paths.replay), config.replay.capacity
     try:
-        if (replay / "meta.json").exists():  # (its capacity and schema are checked as it is opened)
+        if (replay / "meta.json").exists():
+            from ingestd.service.layout import check_reopenable  # (layout imports this module)
+
+            check_reopenable(replay, rows, capacity, config.workers)
             return f"replay {replay} exists: reopening it"
         if replay.exists() and not replay.is_dir():
             return f"replay {replay}: not a directory"  # refused next, naming replay.path
@@ -126,8 +129,9 @@ def _example_rows(spec: WorkerSpec, seed: int):
     log.info("start-up probe: env %s and policy %s, one transition (within workers.start_timeout_s)",
              spec.env, spec.policy)
     torch.manual_seed(seed)
+    envs = min(spec.num_envs, PROBE_ENVS)
     env = _guarded("workers.env", f"env {spec.env} with env_kwargs {dict(spec.env_kwargs)} could not be built",
-                   lambda: build_env(spec, seed, episode_base=0, num_envs=1), quiet=_REFUSED_VALUE,
+                   lambda: build_env(spec, seed, episode_base=0, num_envs=envs), quiet=_REFUSED_VALUE,
                    doing=f"building env {spec.env}")
     try:
         policy = _guarded("workers.policy", f"policy {spec.policy} with policy_kwargs "
@@ -143,8 +147,9 @@ def _example_rows(spec: WorkerSpec, seed: int):
                            lambda: Rollout(env, acting, worker=0, episode_base=0, chunk_steps=1, checks=checks,
                                            inference_mode=spec.inference_mode),
                            doing=f"env {spec.env}'s first reset")
-        _check_action(spec, env, acting, rollout)
-        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action",
+        bent = _check_action(spec, env, acting, rollout)
+        rows, _ = _guarded("workers.env", f"env {spec.env} failed stepping with policy {spec.policy}'s action"
+                           + (f" ({bent}: make the policy's actions the spec's shape and dtype)" if bent else ""),
                            lambda: rollout.chunk(0), doing=f"env {spec.env}'s first step")
         _check_layout(spec, env, rows)
         _check_next(spec, rows, rollout)
@@ -155,6 +160,10 @@ def _example_rows(spec: WorkerSpec, seed: int):
     return rows, policy
 
 
+# sub-envs of the probe's env (workers.num_envs if fewer): with one, a [B] action for a [B, 1]
+# spec held as many elements and passed, and every worker crash-looped on the broadcast to [B, B]
+# of an env's ``x += action`` (walkthrough review); two show that, and cost a heavy env little
+PROBE_ENVS = 2
 _REFUSED_VALUE = (ValueError, TypeError)  # what a factory raises for a kwargs value it refuses
 # not the config's fault: a restart may fix them (a simulator server not up yet, a GPU another
 # process fills), so they keep exit status 1 and systemd's retries
@@ -209,13 +218,13 @@ def _deadline(seconds: float, stopping: Callable[[], bool]):
     return ticking(tick, 0.1, "ingestd-probe-deadline")
 
 
-def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
+def _check_action(spec: WorkerSpec, env, policy, rollout) -> str:
     """The policy's action for the env's first observation fits the env's spec: as many
     elements per sub-env, and a float action for a float spec (an integer one for a discrete
     spec). A 2-vector for Pendulum's 1 was stored as it came. Another shape of as many elements
     (``[B]`` for ``[B, 1]``) or another dtype of the same kind (int32 for int64, float64 for
     float32) is stored as the policy makes it, with a warning: envs take those, and a replay
-    made that way before must keep opening."""
+    made that way before must keep opening. Returns what differs from the spec, or ``""``."""
     note = observation_note(spec.env, env.spec, rollout.root)  # a policy sized from the spec fails on it
     out = _guarded("workers.policy", f"policy {spec.policy} failed on the env's first observation"
                    + (f" ({note}: make EnvSpec.observation_shape/dtype what the env returns)" if note else ""),
@@ -226,17 +235,20 @@ def _check_action(spec: WorkerSpec, env, policy, rollout) -> None:
                                             f"{type(out).__name__}); a policy returns its input TensorDict with "
                                             "'action' set")
     want_shape, want_dtype = (env.num_envs, *env.spec.action_shape), env.spec.action_dtype
-    got, want = _described(action.shape, action.dtype), _described(want_shape, want_dtype)
+    # the probe's batch is not the configured one: [B, ...] (it said float32[1, 2] with num_envs = 8)
+    got, want = (_described(action.shape, action.dtype, env.num_envs), _described(want_shape, want_dtype, env.num_envs))
     per_env = math.prod(action.shape[1:]) if action.dim() else 0
     if (action.dim() == 0 or action.shape[0] != env.num_envs or per_env != math.prod(env.spec.action_shape)
             or action.dtype.is_floating_point != want_dtype.is_floating_point):
         raise ConfigError("workers.policy", f"policy {spec.policy} acts with {got} actions, but env {spec.env} "
-                                            f"takes {want} (the first dimension is num_envs); make the policy fit "
+                                            f"takes {want} (B: the sub-envs, workers.num_envs); make the policy fit "
                                             "the env's spec (EnvSpec.action_shape and action_dtype)")
     _guarded("workers.policy", f"policy {spec.policy}'s first action", lambda: check_action(out, rollout.checks))
-    if tuple(action.shape) != want_shape or action.dtype != want_dtype:
-        log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
-                    "them", spec.policy, got, spec.env, want)
+    if tuple(action.shape) == want_shape and action.dtype == want_dtype:
+        return ""
+    log.warning("policy %s acts with %s actions, env %s's spec says %s; they are stored as the policy makes "
+                "them", spec.policy, got, spec.env, want)
+    return f"policy {spec.policy} acts with {got} actions, the env's spec says {want}"
 
 
 def _check_layout(spec: WorkerSpec, env, rows) -> None:
@@ -290,5 +302,9 @@ def observation_note(name: str, env_spec, td) -> str:
     return f"env {name} returns {' and '.join(notes)}, its spec says {want}" if notes else ""
 
 
-def _described(shape, dtype) -> str:
-    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+def _described(shape, dtype, batch: int | None = None) -> str:
+    """``float32[4]``; with ``batch``, a first dimension of that size is ``B`` (``float32[B, 1]``)."""
+    dims = [str(d) for d in shape]
+    if batch is not None and dims and shape[0] == batch:
+        dims[0] = "B"
+    return f"{str(dtype).replace('torch.', '')}[{', '.join(dims)}]"
