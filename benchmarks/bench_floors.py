@@ -250,14 +250,23 @@ def cartpole_designs(workdir: str, seconds: float, rounds: int) -> dict:
         state["slot"] = (s + rows) % dest.shape[0]
         return rows
 
+    # one chunk of each loop in turn, the order reversed every other time, each timed in CPU seconds
+    # (as bench_chunk_costs): windows of seconds per loop read 0.75-0.89 for step_copy in two runs
     loops = {"bare": bare, "walk": walk, "keep_stack": keep_stack, "step_copy": step_copy}
-    rates: dict[str, list[float]] = {name: [] for name in loops}
-    for _ in range(rounds):  # in alternation: the VM's speed drifts
-        for name, fn in loops.items():
-            rates[name].append(per_cpu_second(fn, seconds, 1))
-    median = {name: statistics.median(values) for name, values in rates.items()}
-    return {"bare_frames_per_cpu_s": round(median["bare"]),
-            "efficiency_ceiling": {name: round(median[name] / median["bare"], 3) for name in loops if name != "bare"},
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    order = list(loops.items())
+    for fn in loops.values():
+        fn()  # warm: first-touch faults of the ring and the buffers
+    calls = max(20, int(rounds * seconds * 60))  # ~60 chunks of each loop a second asked for
+    for call in range(calls):
+        for name, fn in (order if call % 2 else order[::-1]):
+            t0 = time.process_time()
+            fn()
+            times[name].append(time.process_time() - t0)
+    ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return {"calls": calls, "median_ms_per_chunk": {name: round(v, 3) for name, v in ms.items()},
+            "bare_frames_per_cpu_s": round(rows / ms["bare"] * 1e3),
+            "efficiency_ceiling": {name: round(ms["bare"] / ms[name], 3) for name in loops if name != "bare"},
             "target": TARGETS["cartpole_efficiency"]}
 
 def cartpole_batch(n: int) -> TensorDict:
