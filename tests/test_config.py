@@ -456,3 +456,12 @@ def test_config_check_refuses_an_existing_replay_that_run_would(tmp_path, capsys
         out = capsys.readouterr()
         assert got == status and phrase in out.out + out.err, (settings, out)
     assert sorted(p.name for p in replay.iterdir()) == before  # nothing made or changed there
+
+
+def test_a_bad_ingestd_control_is_named_as_the_environment_variable_it_is():
+    """It read "config key 'INGESTD_CONTROL'", a key no config file has (walkthrough review)."""
+    from ingestd.service.config import default_control_address
+
+    with pytest.raises(ConfigError) as err:
+        default_control_address({"INGESTD_CONTROL": "/run/ingestd/control.sock"})
+    assert str(err.value).startswith("environment variable INGESTD_CONTROL: expected ipc:///"), str(err.value)

@@ -416,6 +416,25 @@ def test_a_socket_file_nobody_answers_on_is_named_in_the_silence(tmp_path, lefto
     assert "systemctl status ingestd" in str(err.value)
 
 
+def test_a_client_of_the_events_socket_is_told_it_is_not_the_control_socket(tmp_path):
+    """`ingestctl --connect ipc://.../events.sock status` said "no daemon answered (killed, hung...)"."""
+    import zmq
+
+    from ingestd import ControlClient, DaemonUnavailable
+
+    path = tmp_path / "events.sock"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"ipc://{path}")
+    try:
+        with ControlClient(f"ipc://{path}", timeout=0.3, retries=0, wait_for_socket=False) as client:
+            with pytest.raises(DaemonUnavailable, match="no reply") as err:
+                client.ping()
+    finally:
+        pub.close(0)
+    assert f"{path} is the daemon's events socket, which publishes and never answers" in str(err.value)
+    assert str(tmp_path / "control.sock") in str(err.value)
+
+
 def test_a_live_ipc_socket_is_never_stolen_but_a_stale_one_is_replaced(tmp_path):
     import socket
 

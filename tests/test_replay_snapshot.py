@@ -449,6 +449,28 @@ def test_partial_snapshots_of_dead_writers_are_removed(tmp_path):
         live.wait()
 
 
+def test_a_daemon_starting_removes_the_partial_snapshot_of_one_killed_mid_snapshot():
+    """The partial (as large as the replay) stayed until the next snapshot (chaos review)."""
+    import subprocess
+
+    from daemon_proc import DaemonProc
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    daemon = DaemonProc(overrides={"workers.count": 1})  # (its dirs are chosen, not yet made)
+    left = daemon.data_dir / "snapshots" / f".s1.partial-{gone.pid}-7"
+    kept = daemon.data_dir / "snapshots" / "s0"
+    for folder in (left, kept):
+        folder.mkdir(parents=True, mode=0o700)
+    (left / "data.bin").write_bytes(b"x" * 4096)
+    for folder in (daemon.data_dir / "snapshots", daemon.data_dir):
+        folder.chmod(0o700)
+    with daemon as d:
+        d.wait_ready(rows=1)
+        assert not left.exists() and kept.is_dir()
+        assert "a snapshot a killed process left half-written" in d.log()
+
+
 def test_a_restore_killed_by_sigkill_leaves_nothing_the_next_one_trips_on(shm_dir):
     """A restore preallocates the whole storage in ``.<dest>.partial-<pid>-<tid>``: one killed by
     SIGKILL left it for ever (on a tmpfs, that much memory), and a retry found no room naming

@@ -317,6 +317,28 @@ def test_a_compiled_module_travels_under_its_own_names():
     (["w"], ["w"], None),  # nothing to strip (the names match: no hint is asked for)
 ])
 def test_a_common_prefix_of_the_pushed_names_is_found_over_every_name(mine, theirs, prefix):
-    from ingestd.weights.wire import _common_prefix
+    from ingestd.weights.wire import Entry, _common_prefix
 
-    assert _common_prefix(mine, theirs) == prefix
+    def entries(names):
+        return {n: Entry(n, "float32", (2,)) for n in names}
+
+    assert _common_prefix(entries(mine), entries(theirs)) == prefix
+
+
+def test_a_prefix_is_suggested_only_where_the_shapes_fit_too():
+    """A plain nn.Linear(4, 2) pushed to the MLP was told to add the prefix 'net.2.', whose weight
+    is [64, 64]: adding it would still be refused; and mlp_qnet was suggested for any policy
+    (walkthrough review)."""
+    from ingestd.collect.policies import mlp_qnet
+
+    policy = manifest_of(mlp_qnet(4, 2, (64, 64)).state_dict())
+    with pytest.raises(BadWeights) as info:
+        decode(encode(torch.nn.Linear(4, 2).state_dict()), expected=policy)
+    assert "in front" not in str(info.value) and "missing" in str(info.value), str(info.value)
+    actor = manifest_of({"linear.weight": torch.zeros(1, 1), "linear.bias": torch.zeros(1)})  # a custom policy
+    with pytest.raises(BadWeights) as info:
+        decode(encode(torch.nn.Linear(2, 1).state_dict()), expected=actor)  # [1, 2]: not linear.weight's [1, 1]
+    assert "in front" not in str(info.value), str(info.value)
+    with pytest.raises(BadWeights) as info:
+        decode(encode(torch.nn.Linear(1, 1).state_dict()), expected=actor)  # fits under 'linear.'
+    assert "without 'linear.' in front" in str(info.value) and "mlp_qnet" not in str(info.value), str(info.value)

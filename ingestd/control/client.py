@@ -386,6 +386,9 @@ class ControlClient:
                 hint = f"; {self._no_socket()}"
             elif not os.access(path, os.W_OK):
                 hint = f"; you have no write access to {path} (join the daemon's group)"
+            elif os.path.basename(path) == "events.sock":  # a PUB socket: it never answers (walkthrough review)
+                hint = (f"; {path} is the daemon's events socket, which publishes and never answers: connect "
+                        f"to its control socket ({os.path.join(os.path.dirname(path), 'control.sock')} by default)")
             else:  # a file left behind (kill -9 unlinks nothing) looks like a daemon that just did not answer
                 hint = (f"; the socket file {path} exists but no daemon answered on it (killed, hung, or stopped "
                         "without cleanup): check `systemctl status ingestd` or the daemon's pid")

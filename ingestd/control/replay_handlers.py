@@ -13,10 +13,10 @@ from pathlib import Path
 
 from ingestd.collect.stats import PauseReason, State
 from ingestd.control.commands import LimiterState, SetLimiter, Snapshot, Snapshotted
-from ingestd.control.context import Context, pid_alive
+from ingestd.control.context import Context
 from ingestd.control.protocol import ErrorCode, RequestError
 from ingestd.errors import CorruptStorage, LockBusy, SnapshotExists
-from ingestd.replay.snapshot import check_name, remove_stale_partials, save
+from ingestd.replay.snapshot import check_name, save, sweep
 
 log = logging.getLogger("ingestd.control")
 
@@ -85,8 +85,7 @@ def snapshot(ctx: Context, request: Snapshot) -> dict:
         folder = Path(paths.data_dir) / "snapshots"
         try:
             folder.mkdir(mode=SNAPSHOTS_DIR_MODE, parents=True, exist_ok=True)
-            for stale in remove_stale_partials(folder, pid_alive):
-                log.warning("removed %s, a snapshot a killed daemon left half-written", stale)
+            sweep(folder)
             dest = folder / (request.name or _free_name(folder, time.time()))
             info = save(paths.replay, dest)
         except SnapshotExists:  # only save raises it: dest is set

@@ -363,6 +363,17 @@ def remove_stale_partials(folder: Path, alive: Callable[[int], bool], name: str 
 _PARTIAL = re.compile(r"\..+\.partial-(\d+)-(\d+)")
 
 
+def sweep(folder: Path) -> None:
+    """Remove the partial snapshots that killed processes left in ``folder`` (the daemon's
+    snapshots dir: as it starts, and before each snapshot). A daemon SIGKILLed mid-snapshot
+    left one, as large as the replay, until the next snapshot (chaos review)."""
+    from ingestd.collect.stats import pid_alive
+
+    if folder.is_dir():
+        for entry in remove_stale_partials(folder, pid_alive):
+            log.warning("removed %s, a snapshot a killed process left half-written", entry)
+
+
 def _remove_dead_partials(dest: Path) -> None:
     """Before writing ``dest``: remove the partials of ``dest`` that a process killed by SIGKILL
     left (a restore preallocates the whole storage: on a tmpfs it held that much memory, and

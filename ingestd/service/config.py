@@ -474,7 +474,11 @@ def default_control_address(environ: Mapping[str, str], uid: int | None = None) 
     """Where a client connects: $INGESTD_CONTROL if set, else the daemon's default ipc socket."""
     explicit = environ.get("INGESTD_CONTROL", "").strip()
     if explicit:
-        return Address("a daemon address").check("INGESTD_CONTROL", explicit)
+        try:
+            return Address("a daemon address").check("INGESTD_CONTROL", explicit)
+        except ConfigError as exc:  # an environment variable, not a config key (walkthrough review)
+            exc.args = (f"environment variable INGESTD_CONTROL: {exc.message}",)
+            raise
     return f"ipc://{default_runtime_dir(environ, uid)}/control.sock"
 
 

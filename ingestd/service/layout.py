@@ -14,6 +14,7 @@ from ingestd.collect.stats import StatsBlock
 from ingestd.collect.worker import WorkerSpec
 from ingestd.errors import CapacityMismatch, ConfigError, CorruptStorage, IngestdError, SchemaMismatch
 from ingestd.replay.layout import POLICY_VERSION
+from ingestd.replay.snapshot import sweep
 from ingestd.replay.storage import ReplayStorage
 from ingestd.service.instance import check_owned, make_dir, raise_unusable_path
 from ingestd.service.probe import check_buildable, replay_room
@@ -73,6 +74,7 @@ def build_layout(config, paths, stopping=lambda: False) -> Layout:
     for key, directory in (("service.data_dir", paths.data_dir), ("service.runtime_dir", paths.runtime_dir),
                            ("replay.path", Path(paths.replay).parent)):
         make_dir(directory, key)
+    sweep(Path(paths.data_dir) / "snapshots")  # the partial of a daemon killed mid-snapshot (one replay's size)
     # the data and runtime dirs were checked by Daemon.run and lock_runtime_dir, before the locks
     if Path(paths.replay).exists():
         check_owned(paths.replay, "replay.path")

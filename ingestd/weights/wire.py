@@ -189,16 +189,17 @@ class Manifest:
         if mismatched:
             problems.append("mismatched: " + "; ".join(mismatched[:8])
                             + (f" and {len(mismatched) - 8} more" if len(mismatched) > 8 else ""))
-        prefix = _common_prefix(list(mine), list(theirs)) if missing else None
+        prefix = _common_prefix(mine, theirs) if missing else None
         if prefix:  # a DistributedDataParallel or torch.compile wrapper's state_dict
             problems.append(f"the pushed names are the policy's with {prefix!r} in front: push the unwrapped "
                             f"module's state_dict (model.module for DistributedDataParallel, model._orig_mod for "
                             f"torch.compile), or strip the prefix")
-        inner = _inner_prefix(list(mine), unexpected) if missing and unexpected else None
+        inner = _inner_prefix(mine, {n: theirs[n] for n in unexpected}) if missing and unexpected else None
         if inner:  # the trainer's own network, not the policy module around it (review: a bare Sequential)
+            mlp = (" (for the built-in MLP, ingestd.collect.policies.mlp_qnet(obs_dim, num_actions, hidden))"
+                   if _is_builtin_mlp(mine) else "")
             problems.append(f"the pushed names are the policy's without {inner!r} in front (a network of its own, "
-                            "not the policy module): push a module with the policy's names (for the built-in MLP, "
-                            "ingestd.collect.policies.mlp_qnet(obs_dim, num_actions, hidden)), or add the prefix")
+                            f"not the policy module): push a module with the policy's names{mlp}, or add the prefix")
         if "epsilon" in missing and not prefix and not any(n.endswith(".epsilon") for n in unexpected):
             problems.append("'epsilon' is the built-in MLP's exploration rate (a 0-dim float32 buffer): "
                             "mlp_qnet(...) has it, or add it to the state dict")
@@ -211,25 +212,37 @@ class Manifest:
             raise BadWeights("weights do not match the policy: " + "; ".join(problems))
 
 
-def _common_prefix(mine: list[str], theirs: list[str]) -> str | None:
+def _common_prefix(mine: dict[str, Entry], theirs: dict[str, Entry]) -> str | None:
     """The shortest dotted prefix (``"module."``) that turns every name of ``mine`` (the
-    policy's) into the names of ``theirs`` (what was pushed), if there is one; else None."""
+    policy's) into the names of ``theirs`` (what was pushed), each of the same dtype and
+    shape, if there is one; else None."""
     if not mine or len(mine) != len(theirs):
         return None
-    pushed, first = set(theirs), mine[0]
+    first = next(iter(mine))
     candidates = sorted({name[:-len(first)] for name in theirs if name.endswith("." + first)}, key=len)
-    return next((p for p in candidates if {p + name for name in mine} == pushed), None)
+    return next((p for p in candidates if all(_same(theirs.get(p + name), e) for name, e in mine.items())), None)
 
 
-def _inner_prefix(mine: list[str], theirs: list[str]) -> str | None:
+def _inner_prefix(mine: dict[str, Entry], theirs: dict[str, Entry]) -> str | None:
     """The dotted prefix of the policy's names (``"net."``) that, put in front of every pushed
-    name the policy does not have (``theirs``), gives a policy name: those are the network
-    inside the policy (a right top-level name such as ``epsilon`` may be pushed beside them)."""
+    name the policy does not have (``theirs``), gives a policy name of the same dtype and shape:
+    those are the network inside the policy (a right top-level name such as ``epsilon`` may be
+    pushed beside them). A pushed ``nn.Linear(4, 2)`` is not the MLP's ``net.2`` of ``[64, 64]``:
+    "add the prefix" would not have fixed it (walkthrough review)."""
     if not theirs:
         return None
-    first, policy = theirs[0], set(mine)
+    first = next(iter(theirs))
     candidates = sorted({name[:-len(first)] for name in mine if name.endswith("." + first)}, key=len)
-    return next((p for p in candidates if all(p + name in policy for name in theirs)), None)
+    return next((p for p in candidates if all(_same(mine.get(p + name), e) for name, e in theirs.items())), None)
+
+
+def _same(entry: Entry | None, other: Entry) -> bool:
+    return entry is not None and entry.dtype == other.dtype and entry.shape == other.shape
+
+
+def _is_builtin_mlp(names) -> bool:
+    """Whether a policy's names are the built-in MLP's (``epsilon`` and ``net.*``)."""
+    return "epsilon" in names and all(n == "epsilon" or n.startswith("net.") for n in names)
 
 
 def _entry_from_json(index: int, obj: Any, max_bytes: int | None) -> Entry:
