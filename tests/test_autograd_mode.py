@@ -15,7 +15,7 @@ from ingestd.collect.policies import MLP, Random
 from ingestd.collect.rollout import Rollout, no_autograd
 from ingestd.errors import ConfigError, autograd_hint
 from ingestd.service.config import load_config, resolve_paths
-from ingestd.service.probe import check_buildable
+from ingestd.service.probe import PROBE_ENVS, check_buildable
 
 import faulty_envs
 from control_daemon import PLUGIN_ENV
@@ -76,8 +76,9 @@ def test_a_policy_that_needs_autograd_is_refused_at_start_up_with_the_way_out(tm
         probe_planner(tmp_path)
     assert err.value.key == "workers.policy", err.value
     assert "does not require grad" in str(err.value) and "workers.inference_mode = false" in str(err.value), err.value
+    config = load_config(None, [f'service.data_dir="{tmp_path}/data"', *PLANNER])
     rows, _ = probe_planner(tmp_path, "workers.inference_mode=false")
-    assert rows.batch_size[0] == 1
+    assert rows.batch_size[0] == min(PROBE_ENVS, config.workers.num_envs)  # one step of the probe's sub-envs
 
 
 def test_a_policy_that_needs_autograd_to_be_built_is_refused_too(tmp_path):
