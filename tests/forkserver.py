@@ -303,12 +303,14 @@ def _child(request: dict, fds: list[int], sockets: list[socket.socket], server: 
     sys.path[0] = os.getcwd()
     sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.argv = ["ingestd", *request["argv"]]
-    from ingestd.service.cli import main
+    from ingestd.service.cli import exit_now, main
 
     try:
         code = main(request["argv"])
     except SystemExit as exc:  # argparse, and sys.exit anywhere below main
-        code = exc.code
+        raise _ChildExit(exc.code) from None
+    if request["argv"][:1] == ["run"]:
+        exit_now(code)  # as `ingestd run` ends (cli.entry)
     raise _ChildExit(code)
 
 

@@ -53,6 +53,47 @@ def test_default_config_ready_writes_and_stops_cleanly():
         assert not [pid for pid in children if pid_alive(pid)], "a worker outlived the daemon"
 
 
+def test_sigterm_with_a_stopped_worker_exits_within_the_stop_deadline():
+    """A worker that cannot drain (SIGSTOPped) is killed at the deadline, and the daemon itself
+    exits right after: not another second later in the interpreter's teardown of torch
+    (``cli.exit_now``). Exec'd, as systemd runs it: the fork server ends its children itself."""
+    stop_s = 2.0
+    with DaemonProc(overrides={"workers.count": 1, "workers.num_envs": 16, "service.stop_timeout_s": stop_s},
+                    launch="exec") as d:
+        wait_for(lambda: "worker.started" in d.log() and d.remember_children(), 60, "the worker to start")
+        (worker,) = d.remember_children()
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert d.stop(signal.SIGTERM, timeout=stop_s + 10) == 0
+        took = time.monotonic() - t0
+        assert not pid_alive(worker), "the stopped worker outlived the daemon"
+        assert "some workers had to be terminated" in d.log()
+        assert stop_s * 0.85 <= took <= stop_s + 0.5, f"exit {took:.2f} s after SIGTERM, deadline {stop_s} s"
+
+
+def test_exit_now_runs_the_atexit_handlers_flushes_and_exits_with_the_code(tmp_path):
+    """What `ingestd run` ends with, in a fork of this process: the status given, the atexit
+    handlers run (a plugin's too), and what was still buffered in stdout written."""
+    import atexit
+
+    from ingestd.service.cli import exit_now
+
+    out = tmp_path / "out"
+    pid = os.fork()
+    if pid == 0:  # (the child leaves only through os._exit)
+        try:
+            sys.stdout = open(out, "w")  # a buffered file (pytest captures the real one)
+            atexit.register(lambda: (tmp_path / "atexit").write_text("ran"))
+            sys.stdout.write("buffered")
+            exit_now(3)
+        finally:
+            os._exit(99)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert out.read_text() == "buffered"
+
+
 def test_checksum_rows_verify_and_steps_are_contiguous():
     from ingestd.collect.envs.checksum import verify_rows
 

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 EX_TEMPFAIL = 75  # sysexits.h: temporary failure (another daemon holds the runtime dir)
@@ -105,11 +106,29 @@ def entry() -> int:
     """The ``ingestd`` program: for ``run``, first the exec that gives large copies their
     setting (``ingestd.service.tunables``), then :func:`main`. ``main`` itself never execs
     (the tests' fork server calls it in a fork of its own process)."""
-    if sys.argv[1:2] == ["run"]:
-        from ingestd.service.tunables import exec_with_copy_tunable
+    if sys.argv[1:2] != ["run"]:
+        return main()
+    from ingestd.service.tunables import exec_with_copy_tunable
 
-        exec_with_copy_tunable()
-    return main()
+    exec_with_copy_tunable()
+    exit_now(main())
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a daemon that has shut down (workers stopped, sockets and storage closed, locks only
+    fds): flush what it wrote and leave without the interpreter's teardown, which frees torch's
+    objects one by one for 0.8-0.9 s here and would push the exit past ``stop_timeout_s``. The
+    ``atexit`` handlers run (the logging's flush among them, and any a plugin registered); all
+    the daemon's threads are daemon threads, which that teardown would abandon too."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or vanished stream: nothing more can reach it
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
