@@ -127,7 +127,7 @@ def test_grid_positions_valid_and_not_overlapping(dash):
 REQUIRED_PANELS = [
     ("Frames/s (total)", {"ingestd_frames_total"}),
     ("Frames/s per worker", {"ingestd_frames_total"}),
-    ("Worker states", {"ingestd_worker_state"}),
+    ("Worker states", {"ingestd_worker_state", "ingestd_worker_paused"}),  # and why paused (metrics review)
     ("Worker up", {"ingestd_worker_up"}),
     ("Restarts", {"ingestd_worker_restarts_total"}),
     ("Heartbeat age", {"ingestd_worker_heartbeat_age_seconds"}),
@@ -145,6 +145,7 @@ REQUIRED_PANELS = [
     ("Rate limiter: time blocked", {"ingestd_limiter_blocked_seconds_total"}),
     ("Policy lag of stored and sampled rows", {"ingestd_replay_policy_lag_versions",
                                                "ingestd_sampled_policy_lag_versions"}),
+    ("Config reload", {"ingestd_config_last_reload_successful", "ingestd_config_restart_pending_keys"}),
 ]
 
 

@@ -252,6 +252,10 @@ def test_full_block_scrape_is_cheap_and_lints(block):
     assert len(by_worker(found, "ingestd_frames_total")) == MAX_WORKERS
     assert value(found, "ingestd_control_requests_total", cmd="push_weights", outcome="ok") == 0  # pre-initialised
     assert value(found, "ingestd_control_requests_total", cmd="pause", outcome="timeout") == 1
+    # every error outcome too, before it happens: a series that first appears at 1 shows in no rate()
+    assert value(found, "ingestd_control_requests_total", cmd="push_weights", outcome="bad_weights") == 0
+    assert value(found, "ingestd_control_requests_total", cmd="invalid", outcome="unknown_command") == 0
+    assert ("ingestd_control_requests_total", frozenset({"cmd": "invalid", "outcome": "ok"}.items())) not in found
     assert value(found, "ingestd_weight_push_seconds_bucket", le="0.05") == 1
     assert value(found, "ingestd_weight_push_seconds_bucket", le="0.025") == 0
     assert value(found, "ingestd_replay_rows") == 100 and value(found, "ingestd_replay_writes_total") == 150
@@ -439,8 +443,8 @@ def test_dashboard_exprs_return_series_from_real_prometheus(live):
         pytest.skip(MISSING)
     exprs = [(f"{p['title']} ({ref})", substitute(expr)) for p, ref, expr in panel_exprs(load_dashboard())]
 
-    def empty():
-        bad = [title for title, expr in exprs if not live.prom.query(expr)]
+    def empty():  # (a filter "> 0" keeps only series with something to show: checked without it)
+        bad = [title for title, expr in exprs if not live.prom.query(expr.removesuffix(" > 0"))]
         return not bad, bad
 
     poll(empty, 45, "every dashboard expr to return a series", interval=1.0)
@@ -475,9 +479,21 @@ def test_control_requests_and_weight_pushes_are_counted(live):
     assert grew("ingestd_control_requests_total", cmd="ping", outcome="ok") == 1
     assert grew("ingestd_control_requests_total", cmd="push_weights", outcome="ok") == 1
     assert grew("ingestd_control_requests_total", cmd="push_weights", outcome=failed.value.code) == 1
+    refused = ("ingestd_control_requests_total", frozenset({"cmd": "push_weights", "outcome": failed.value.code}.items()))
+    seen_before = before.get(refused)
     assert grew("ingestd_weight_push_seconds_count") >= 1
     count = value(found, "ingestd_weight_push_seconds_count")
     assert value(found, "ingestd_weight_push_seconds_bucket", le="+Inf") == count
+    if live.prom is not None:  # and the dashboard's "Control errors/s" shows that one error
+        shown = substitute(next(expr for panel, _, expr in panel_exprs(load_dashboard())
+                                if panel["title"] == "Control errors/s" and "cmd, outcome" in expr))
+
+        def refusal_shown():
+            got = [r["metric"] for r in live.prom.query(shown)]
+            return any(m.get("cmd") == "push_weights" and m.get("outcome") == failed.value.code for m in got), got
+
+        poll(refusal_shown, 30, "the panel to show the refused push", interval=1.0)
+    assert seen_before == 0, "the error's series was not there at 0 before it: rate() misses its first error"
 
 
 def test_killed_worker_counts_a_restart(live):

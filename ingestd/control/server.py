@@ -37,6 +37,7 @@ from ingestd.control.protocol import (
 from ingestd.control.sockets import bind_private, bind_without_curve
 from ingestd.errors import ConfigError, LockBusy
 from ingestd.service.limits import FdWatch
+from ingestd.service.telemetry import INVALID_CMD
 
 log = logging.getLogger("ingestd.control")
 
@@ -52,7 +53,6 @@ STOP_JOIN_S = 5.0
 STOP_LINGER_MS = 500  # at stop, how long the last replies may take to leave
 SIGNAL_RELOAD_DEADLINE_S = 60.0  # a SIGHUP's reload waits this long for the main loop to take it
 SOCKET_FILE_CHECK_S = 2.0  # how often the ipc socket files are looked at (deleted ones are bound again)
-INVALID = "invalid"  # telemetry label for requests whose command is not known (bounded cardinality)
 
 
 class ControlServer:
@@ -313,7 +313,7 @@ class ControlServer:
 
     def _handle(self, frames: list) -> None:
         route, body = _split_route(frames)
-        request_id, cmd = None, INVALID
+        request_id, cmd = None, INVALID_CMD
         try:
             self.limits.check_sizes([len(f) for f in body])
             head = body[0]

@@ -24,7 +24,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from ingestd.collect.stats import PAUSES, RING, WAITS, State, StatsBlock, heartbeat_age, shown_reason
-from ingestd.service.telemetry import Telemetry
+from ingestd.control.protocol import ErrorCode
+from ingestd.service.telemetry import INVALID_CMD, Telemetry
 
 log = logging.getLogger("ingestd.metrics")
 
@@ -91,6 +92,17 @@ def child_alive(pid: int, parent: int) -> bool:
     return fields[0] not in (b"Z", b"X") and int(fields[1]) == parent
 
 
+def known_outcomes(commands: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (cmd, outcome) ``ingestd_control_requests_total`` can count: a counter series that
+    first appears at 1 has no earlier sample, so ``rate()`` and ``increase()`` never saw its
+    first error (metrics review: a one-off rejected push or failed reload stayed invisible).
+    Each command with ``ok`` and every error code, and an unparsed request (``invalid``) with
+    every error code: (12 + 1) x 16 + 12 series of 0, known in advance, as the Prometheus
+    client guidelines ask of labels."""
+    codes = [code.value for code in ErrorCode]
+    return [(cmd, outcome) for cmd in commands for outcome in ("ok", *codes)] + [(INVALID_CMD, c) for c in codes]
+
+
 class ReturnHistogram:
     """A cumulative histogram of episode returns, fed from per-worker rings by a cursor."""
 
@@ -134,7 +146,8 @@ class ReturnHistogram:
 class IngestdCollector(Collector):
     """Reads ingestd's shared state at scrape time. Every source comes in as an argument.
 
-    ``commands`` are pre-initialised at 0 (outcome ``ok``) so that dashboards show zeros, not gaps.
+    ``commands`` are pre-initialised at 0 with every outcome (``known_outcomes``), so that dashboards
+    show zeros, not gaps, and the first error of a kind shows in a ``rate()``.
     """
 
     def __init__(self, stats: StatsBlock, storage, weights, telemetry: Telemetry, started_at: float,
@@ -148,6 +161,7 @@ class IngestdCollector(Collector):
         self.parent_pid = os.getpid() if parent_pid is None else parent_pid
         self.returns = ReturnHistogram(return_buckets)
         self.commands = tuple(commands)
+        self._known_outcomes = known_outcomes(self.commands)
         self._errors: dict[str, int] = {}
 
     # -- the scrape -----------------------------------------------------------------------
@@ -265,8 +279,8 @@ class IngestdCollector(Collector):
         requests = CounterMetricFamily("ingestd_control_requests", "Control requests answered, by command "
                                        "and outcome (ok or the error code).", labels=["cmd", "outcome"])
         seen = self.telemetry.requests()
-        for cmd in self.commands:
-            seen.setdefault((cmd, "ok"), 0)
+        for key in self._known_outcomes:
+            seen.setdefault(key, 0)
         for (cmd, outcome), n in sorted(seen.items()):
             requests.add_metric([cmd, outcome], n)
         buckets, count, total = self.telemetry.pushes()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+INVALID_CMD = "invalid"  # the cmd label of a request whose command is not known (bounded cardinality)
+
 # Upper bounds (seconds) of the weight-push latency histogram buckets.
 PUSH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
