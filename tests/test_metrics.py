@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
@@ -174,6 +175,47 @@ def test_episode_return_histogram_reads_the_ring_since_the_last_scrape(block):
     assert value(found, "ingestd_episode_return_bucket", le="+Inf") == 3 + RING + 1  # NaN skipped
     assert value(found, "ingestd_worker_episode_return_mean", worker="0") == 500  # the ring's last 32
     assert value(found, "ingestd_worker_episode_return_mean", worker="1") == 2  # NaN left out
+
+
+def _quantile(found: dict, q: float) -> float:
+    """``histogram_quantile(q, ingestd_episode_return_bucket)`` as Prometheus computes it: linear
+    inside the bucket the rank falls in."""
+    buckets = sorted((float(dict(labels)["le"]), n) for (name, labels), n in found.items()
+                     if name == "ingestd_episode_return_bucket")
+    rank = q * buckets[-1][1]
+    below, count_below = buckets[0][0], 0.0
+    for le, count in buckets:
+        if count >= rank:
+            return below + (le - below) * (rank - count_below) / (count - count_below)
+        below, count_below = le, count
+
+
+@pytest.mark.parametrize("returns", [range(8, 12), range(180, 221), range(-1600, -99)], ids=["8-11", "180-220", "neg"])
+def test_default_return_buckets_give_quantiles_near_the_true_ones(block, returns):
+    """The metrics review's case: CartPole returns of 8-11 read p10 5.7, p50 8.3 and p90 16 from
+    1-2-5 buckets per decade; 10 per decade keep every quantile within a bucket's 25 %."""
+    block[0]["state"] = State.RUNNING
+    values = [float(v) for v in returns for _ in range(3)]
+    collector = None
+    for start in range(0, len(values), RING):  # a scrape per ring's worth: none dropped
+        _finish(block, 0, values[start:start + RING])
+        found, _, collector = scrape(block, collector=collector)
+    assert value(found, "ingestd_episode_returns_dropped_total") == 0
+    for q in (0.1, 0.5, 0.9):
+        true = float(np.quantile(values, q))
+        assert _quantile(found, q) == pytest.approx(true, rel=0.25), (q, true)
+
+
+def test_configured_return_buckets_are_the_ones_exported(block):
+    config = load_config(None, ["metrics.port=0", "metrics.episode_return_buckets=[0, 100, 1e3]"])
+    exporter = MetricsExporter(config)
+    exporter.start(fake_daemon(block, config))
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.address[1]}/metrics", timeout=5).read().decode()
+    finally:
+        exporter.stop()
+    bounds = [dict(labels)["le"] for (name, labels) in samples(text) if name == "ingestd_episode_return_bucket"]
+    assert bounds == ["0.0", "100.0", "1000.0", "+Inf"]
 
 
 def test_overlapping_scrapes_count_each_episode_once(block):

@@ -29,11 +29,13 @@ from ingestd.service.telemetry import INVALID_CMD, Telemetry
 
 log = logging.getLogger("ingestd.metrics")
 
-# Upper bounds of the episode-return buckets: symmetric, roughly 1-2-5 per decade, so that
-# CartPole (0..500), Atari-scale scores and negative-reward tasks all land in useful buckets.
-_POSITIVE = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000)
-RETURN_BUCKETS: tuple[float, ...] = tuple(float(-b) for b in reversed(_POSITIVE)) + (0.0,) + tuple(
-    float(b) for b in _POSITIVE)
+# Upper bounds of the default episode-return buckets (metrics.episode_return_buckets = []):
+# symmetric, 10 per decade (the R10 preferred numbers) from 1 to 100000, so that CartPole
+# (0..500), Atari-scale scores and negative-reward tasks all land in buckets 25 % wide. With
+# 1-2-5 per decade, CartPole returns of 8-11 read p10 5.7, p50 8.3 and p90 16 (metrics review).
+_R10 = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
+_POSITIVE = tuple(round(m * 10.0 ** e, 2) for e in range(5) for m in _R10) + (100000.0,)
+RETURN_BUCKETS: tuple[float, ...] = tuple(-b for b in reversed(_POSITIVE)) + (0.0,) + _POSITIVE
 
 # States exported by the one-hot gauge (an EMPTY record is not a worker).
 STATES = tuple(s for s in State if s != State.EMPTY)

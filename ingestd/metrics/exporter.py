@@ -17,7 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 
 from ingestd.errors import ConfigError
-from ingestd.metrics.collector import IngestdCollector
+from ingestd.metrics.collector import RETURN_BUCKETS, IngestdCollector
 
 log = logging.getLogger("ingestd.metrics")
 
@@ -29,7 +29,8 @@ def collector_for(daemon) -> IngestdCollector:
     layout = daemon.layout
     # the supervisor's count follows scale commands too; config.workers.count only follows reloads
     return IngestdCollector(layout.stats, layout.storage, layout.weights, daemon.telemetry, daemon.started_at,
-                            desired_workers=lambda: daemon.supervisor.count, commands=sorted(COMMANDS))
+                            desired_workers=lambda: daemon.supervisor.count, commands=sorted(COMMANDS),
+                            return_buckets=daemon.config.metrics.episode_return_buckets or RETURN_BUCKETS)
 
 
 class MetricsExporter:

@@ -114,6 +114,27 @@ class Number(Rule):
 
 
 @dataclass(frozen=True)
+class Ascending(Rule):
+    """An array of at most ``most`` finite numbers, each above the one before (bucket bounds)."""
+
+    most: int
+
+    @property
+    def accepted(self) -> str:
+        return f"an array of at most {self.most} finite numbers in increasing order, no two equal"
+
+    def check(self, key: str, value: Any) -> tuple[float, ...]:
+        if not isinstance(value, (list, tuple)) or len(value) > self.most:
+            raise self.fail(key, value)
+        for i, item in enumerate(value):
+            Number().check(f"{key}[{i}]", item)
+            if i and not item > value[i - 1]:
+                raise ConfigError(key, f"{item!r} at [{i}] is not above {value[i - 1]!r} before it: the "
+                                       "numbers must increase")
+        return tuple(float(item) for item in value)
+
+
+@dataclass(frozen=True)
 class Bool(Rule):
     accepted = "true or false"
 

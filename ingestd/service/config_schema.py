@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ingestd.service.config_rules import (  # noqa: F401  (Address, check_ipc_length, IPC_PATH_MAX: re-exported)
-    IPC_PATH_MAX, Address, Bool, Choice, Factory, Float, Int, Number, PathSetting, Pattern, Rule, Table, UnitInterval,
+    IPC_PATH_MAX, Address, Ascending, Bool, Choice, Factory, Float, Int, Number, PathSetting, Pattern, Rule, Table, UnitInterval,
     check_ipc_length,
 )
 from ingestd.service.config_toml import (  # noqa: F401  (re-exported for ingestd.service.config)
@@ -198,6 +198,11 @@ class MetricsConfig:
     address: str = setting("127.0.0.1", "Interface the metrics HTTP server binds (0.0.0.0 = all).",
                            Pattern(_HOST, "a host name or IP address"))
     port: int = setting(9464, "TCP port of the metrics server; 0 = an ephemeral port.", Int(0, 65535))
+    episode_return_buckets: tuple = setting(
+        (), "Upper bounds of the ingestd_episode_return histogram's buckets, for your task's scale of returns "
+            "(histogram_quantile() interpolates inside a bucket: the narrower they are where the returns are, the "
+            "truer the quantiles). Empty: the built-in ones, 10 per decade (1, 1.25, 1.6, 2, 2.5, 3.15, 4, 5, 6.3, 8, "
+            "10, ...) from 1 to 100000, the same below 0, and 0.", Ascending(200))
 
 
 @dataclass(frozen=True)
