@@ -22,15 +22,16 @@ from ingestd.metrics.collector import RETURN_BUCKETS, IngestdCollector
 log = logging.getLogger("ingestd.metrics")
 
 
-def collector_for(daemon) -> IngestdCollector:
-    """The collector wired to a started daemon's shared objects."""
+def collector_for(daemon, return_buckets: tuple[float, ...] = ()) -> IngestdCollector:
+    """The collector wired to a started daemon's shared objects (``return_buckets``:
+    ``metrics.episode_return_buckets``, empty for the built-in ones)."""
     from ingestd.control.commands import COMMANDS
 
     layout = daemon.layout
     # the supervisor's count follows scale commands too; config.workers.count only follows reloads
     return IngestdCollector(layout.stats, layout.storage, layout.weights, daemon.telemetry, daemon.started_at,
                             desired_workers=lambda: daemon.supervisor.count, commands=sorted(COMMANDS),
-                            return_buckets=daemon.config.metrics.episode_return_buckets or RETURN_BUCKETS)
+                            return_buckets=return_buckets or RETURN_BUCKETS)
 
 
 class MetricsExporter:
@@ -48,7 +49,7 @@ class MetricsExporter:
         return None if self._server is None else tuple(self._server.server_address[:2])
 
     def start(self, daemon) -> None:
-        self.registry.register(collector_for(daemon))
+        self.registry.register(collector_for(daemon, self.settings.episode_return_buckets))
         ProcessCollector(registry=self.registry)
         host, port = self.settings.address, self.settings.port
         try:
