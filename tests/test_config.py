@@ -137,6 +137,12 @@ BAD = [
     (["metrics.episode_return_buckets=[0, 'a']"], "metrics.episode_return_buckets[1]", "finite number"),
     (["metrics.episode_return_buckets=[0, inf]"], "metrics.episode_return_buckets[1]", "finite number"),
     (["metrics.episode_return_buckets=100"], "metrics.episode_return_buckets", "an array of at most 200"),
+    # diff review: distinct integers past 2**53 became equal floats (exit 1 at the exporter's start)
+    (["metrics.episode_return_buckets=[9007199254740992, 9007199254740993]"], "metrics.episode_return_buckets",
+     "must increase"),
+    # and an integer past float's range made math.isfinite raise OverflowError (a traceback, not 78)
+    (["metrics.episode_return_buckets=[1" + "0" * 400 + "]"], "metrics.episode_return_buckets[0]", "finite number"),
+    (["service.stop_timeout_s=1" + "0" * 400], "service.stop_timeout_s", "finite number"),
     (["service.start_weights=fresh"], "service.start_weights", "one of resume, initial"),
     (["control.address=tcp://0.0.0.0:5555"], "control.address", "ingestctl keygen"),
     (["control.events_address=tcp://0.0.0.0:5556"], "control.events_address", "control.curve_secret_key"),

@@ -71,20 +71,24 @@ def test_sigterm_with_a_stopped_worker_exits_within_the_stop_deadline():
         assert stop_s * 0.85 <= took <= stop_s + 0.5, f"exit {took:.2f} s after SIGTERM, deadline {stop_s} s"
 
 
-def test_exit_now_runs_the_atexit_handlers_flushes_and_exits_with_the_code(tmp_path):
+@pytest.mark.parametrize("stdout", ["file", "none"])
+def test_exit_now_runs_the_atexit_handlers_flushes_and_exits_with_the_code(tmp_path, stdout):
     """What `ingestd run` ends with, in a fork of this process: the status given, the atexit
-    handlers run (a plugin's too), and what was still buffered in stdout written."""
+    handlers run (a plugin's too), and what was still buffered in stdout written; a daemon
+    started with fd 1 closed (sys.stdout None) exits with its status too, not 1."""
     import atexit
 
     from ingestd.service.cli import exit_now
 
     out = tmp_path / "out"
+    out.write_text("buffered")
     pid = os.fork()
     if pid == 0:  # (the child leaves only through os._exit)
         try:
-            sys.stdout = open(out, "w")  # a buffered file (pytest captures the real one)
+            sys.stdout = open(out, "w") if stdout == "file" else None  # (pytest captures the real one)
             atexit.register(lambda: (tmp_path / "atexit").write_text("ran"))
-            sys.stdout.write("buffered")
+            if sys.stdout is not None:
+                sys.stdout.write("buffered")
             exit_now(3)
         finally:
             os._exit(99)

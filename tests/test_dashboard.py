@@ -229,6 +229,17 @@ def test_an_on_off_series_has_its_own_axis(dash):
     assert checked, "no panel shows ingestd_limiter_enabled beside another series: this test checked nothing"
 
 
+def test_why_paused_is_not_stacked_on_the_states_that_count_those_workers_already(dash):
+    """The bars stack one count per state; the paused-by-reason series stacked on them drew every
+    paused worker twice (diff review)."""
+    panel = next(p for p in all_panels(dash) if p["title"] == "Worker states")
+    assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    why = next(t for t in panel["targets"] if "ingestd_worker_paused" in t["expr"])
+    override = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == why["refId"])
+    stacking = next(p["value"] for p in override["properties"] if p["id"] == "custom.stacking")
+    assert stacking["mode"] == "none", stacking
+
+
 def test_exprs_use_only_known_variables(dash):
     for panel, ref, expr in panel_exprs(dash):
         substitute(expr)  # raises on an unknown variable

@@ -207,15 +207,22 @@ def test_default_return_buckets_give_quantiles_near_the_true_ones(block, returns
 
 
 def test_configured_return_buckets_are_the_ones_exported(block):
+    """Bounds of 0 and up, and a negative return all the same: still no _sum (it would decrease,
+    and no longer be a counter: OpenMetrics parsers refuse it, rate() sees a reset)."""
     config = load_config(None, ["metrics.port=0", "metrics.episode_return_buckets=[0, 100, 1e3]"])
+    block[0]["state"] = State.RUNNING
+    _finish(block, 0, [-200.0, 50.0])
     exporter = MetricsExporter(config)
     exporter.start(fake_daemon(block, config))
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.address[1]}/metrics", timeout=5).read().decode()
     finally:
         exporter.stop()
-    bounds = [dict(labels)["le"] for (name, labels) in samples(text) if name == "ingestd_episode_return_bucket"]
+    found = samples(text)
+    bounds = [dict(labels)["le"] for (name, labels) in found if name == "ingestd_episode_return_bucket"]
     assert bounds == ["0.0", "100.0", "1000.0", "+Inf"]
+    assert value(found, "ingestd_episode_return_bucket", le="0.0") == 1
+    assert not {"ingestd_episode_return_sum", "ingestd_episode_return_count"} & {n for n, _ in found}
 
 
 def test_overlapping_scrapes_count_each_episode_once(block):

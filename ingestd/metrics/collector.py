@@ -113,7 +113,6 @@ class ReturnHistogram:
             raise ValueError("episode-return buckets must be strictly increasing")
         self.bounds = tuple(float(b) for b in buckets)
         self._counts = [0] * (len(self.bounds) + 1)  # the last one is (max bound, +Inf)
-        self._sum = 0.0  # exported only if every bucket bound is >= 0
         self.dropped = 0
         self._cursor: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -131,18 +130,18 @@ class ReturnHistogram:
                 value = float(ring[k % len(ring)])
                 if np.isfinite(value):
                     self._counts[bisect.bisect_left(self.bounds, value)] += 1
-                    self._sum += value
             self._cursor[worker] = count
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         with self._lock:
-            counts, total = list(self._counts), self._sum
+            counts = list(self._counts)
         cumulative = np.cumsum(counts).tolist()
         buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)]
         buckets.append(("+Inf", cumulative[-1]))
-        # With a negative bucket prometheus_client leaves out _sum and _count (OpenMetrics: a sum of
-        # negative values can decrease, so it is no counter); the count is the +Inf bucket.
-        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+        # No _sum (nor _count) whatever the bounds: returns can be negative under buckets that are
+        # not (metrics.episode_return_buckets = [0, 100]), and a sum that decreases is no counter
+        # (OpenMetrics; rate() would take it for a reset). The count is the +Inf bucket.
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=None)
 
 
 class IngestdCollector(Collector):

@@ -124,6 +124,8 @@ def exit_now(code: int) -> NoReturn:
 
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with that fd closed
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or vanished stream: nothing more can reach it

@@ -15,6 +15,15 @@ from ingestd.service.config_toml import TOML_SCALARS, FrozenTable, describe, sug
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
+def finite(value: int | float) -> bool:
+    """Whether a TOML number is a finite float: an integer past float's range (``1e400`` written
+    out in digits, which tomllib reads as an int) is not, and ``math.isfinite`` raises on it."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 class Rule(abc.ABC):
     """Checks one raw value; ``accepted`` says what is allowed, in every error."""
 
@@ -83,7 +92,7 @@ class Float(Rule):
     def check(self, key: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
-        if not math.isfinite(value) or not (value > self.gt or self.or_equal and value == self.gt) \
+        if not finite(value) or not (value > self.gt or self.or_equal and value == self.gt) \
                 or value > self._most:
             raise self.fail(key, value)
         return float(value)
@@ -108,7 +117,7 @@ class Number(Rule):
     accepted = "a finite number"
 
     def check(self, key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
             raise self.fail(key, value, "; write the number without quotes" if isinstance(value, str) else "")
         return float(value)
 
@@ -126,12 +135,12 @@ class Ascending(Rule):
     def check(self, key: str, value: Any) -> tuple[float, ...]:
         if not isinstance(value, (list, tuple)) or len(value) > self.most:
             raise self.fail(key, value)
-        for i, item in enumerate(value):
-            Number().check(f"{key}[{i}]", item)
-            if i and not item > value[i - 1]:
-                raise ConfigError(key, f"{item!r} at [{i}] is not above {value[i - 1]!r} before it: the "
-                                       "numbers must increase")
-        return tuple(float(item) for item in value)
+        bounds = tuple(Number().check(f"{key}[{i}]", item) for i, item in enumerate(value))
+        for i in range(1, len(bounds)):  # as floats: integers past 2**53 can become equal ones
+            if not bounds[i] > bounds[i - 1]:
+                raise ConfigError(key, f"{value[i]!r} at [{i}] is not above {value[i - 1]!r} before it (as "
+                                       "floats): the numbers must increase")
+        return bounds
 
 
 @dataclass(frozen=True)
