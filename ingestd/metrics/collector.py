@@ -99,8 +99,8 @@ def known_outcomes(commands: Sequence[str]) -> list[tuple[str, str]]:
     first appears at 1 has no earlier sample, so ``rate()`` and ``increase()`` never saw its
     first error (metrics review: a one-off rejected push or failed reload stayed invisible).
     Each command with ``ok`` and every error code, and an unparsed request (``invalid``) with
-    every error code: (12 + 1) x 16 + 12 series of 0, known in advance, as the Prometheus
-    client guidelines ask of labels."""
+    every error code: len(commands) x 17 + 16 series of 0 (220 for the 12 commands), known in
+    advance, as the Prometheus client guidelines ask of labels."""
     codes = [code.value for code in ErrorCode]
     return [(cmd, outcome) for cmd in commands for outcome in ("ok", *codes)] + [(INVALID_CMD, c) for c in codes]
 
