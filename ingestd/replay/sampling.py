@@ -6,9 +6,10 @@ of their seqlocks, re-draw the bad ones); :class:`Sampling` only changes how slo
 are drawn and which copied rows are accepted:
 
 - ``sampler="prioritized"``: slots come from a descent of the shared sum tree
-  (:mod:`ingestd.replay.priority`); the sample gains ``("ingestd", "index")`` (the
-  slot) and ``("ingestd", "weight")`` (importance weight ``(N * P(i)) ** -beta``,
-  divided by the batch's largest so weights are in ``(0, 1]``);
+  (:mod:`ingestd.replay.priority`; drawn and updated by :mod:`ingestd.replay.prioritized`);
+  the sample gains ``("ingestd", "index")`` (the slot) and ``("ingestd", "weight")``
+  (importance weight ``(N * P(i)) ** -beta``, divided by the batch's largest so weights
+  are in ``(0, 1]``);
 - ``max_policy_lag=k``: rows whose ``policy_version`` is below the current weights
   version minus ``k`` are rejected and re-drawn (after a few rounds of rejection
   the eligible slots are listed and drawn from directly);
@@ -25,26 +26,23 @@ from typing import Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 from ingestd.errors import EmptyReplay, LockBusy, SampleTimeout
+from ingestd.replay import prioritized
+from ingestd.replay.inputs import rows_count, wait_deadline
 from ingestd.replay.layout import POLICY_VERSION
 from ingestd.replay.limiter import FILE as LIMITER_FILE, READER_LOCK_WAIT_S, Limiter, RateLimited
 from ingestd.replay.priority import PriorityTree
-from ingestd.replay.inputs import rows_count, slot_indices, wait_deadline
 from ingestd.weights.follow import FollowedStore
 
 log = logging.getLogger("ingestd.replay")
 
 SAMPLERS = ("uniform", "prioritized")
-INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
 _REJECT_ROUNDS = 32  # rounds of re-drawing rejected rows before listing the eligible slots
 _MAX_ROUNDS = 256
 _OVERSAMPLE_CAP = 1 << 16  # most slots drawn at once to find the recent ones among them
-_DRAW_ROUNDS = 8  # descents per prioritized draw before giving up (the tree keeps changing)
 _POLL_S = 0.002
-PRIORITY_EPS = 1e-6
-LEAF_MAX = 1e290  # a leaf's cap: the tree's float64 total stays finite for any capacity that fits in memory
 
 
 class Sampling:
@@ -211,19 +209,7 @@ class Sampling:
         returns that leaf, ``(priority + eps) ** alpha``."""
         if self.tree is None:
             raise RuntimeError("reset_max_priority needs ReplayReader(..., sampler='prioritized')")
-        if priority is None:
-            return self.tree.reset_max()
-        if isinstance(priority, (bool, np.bool_, str, bytes)):  # True was taken as 1.0, "2" failed in math
-            raise TypeError(f"priority must be a number > 0 (or None: the largest the rows hold now), got "
-                            f"{priority!r} ({type(priority).__name__})")
-        try:
-            value = float(priority)  # a 0-d tensor (td_error.max()) is a number too
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"priority must be a number > 0 (or None: the largest the rows hold now), got "
-                            f"{type(priority).__name__} {priority!r:.80}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"priority must be finite and > 0, got {priority}")
-        return self.tree.reset_max(min((value + PRIORITY_EPS) ** self.alpha, LEAF_MAX))
+        return self.tree.reset_max(None if priority is None else prioritized.max_leaf(priority, self.alpha))
 
     def set_beta(self, value: float) -> None:
         """``ReplayReader.beta = value``: a finite number >= 0, for a prioritized reader only."""
@@ -236,41 +222,13 @@ class Sampling:
         self.beta = float(value)
 
     def update_priorities(self, index, priority, write_index=None, timeout: float | None = None) -> int:
-        """Set the priorities of sampled rows; returns how many were applied.
-
-        ``index`` is the sample itself (its ``("ingestd", "index")`` and ``("ingestd",
-        "write_index")`` are used) or the slot indices; ``write_index`` (from the sample)
-        makes the update skip slots overwritten since. Without it, only committed slots
-        are updated, whatever row they now hold. ``timeout``: ``LockBusy`` (nothing updated)
-        if another trainer holds ``priority.lock`` that long (None: wait for it)."""
+        """Set the priorities of sampled rows (:func:`ingestd.replay.prioritized.update`)."""
         if timeout is not None:
-            wait_deadline(timeout)  # (checked as a sample's timeout)
+            wait_deadline(timeout)  # (checked as a sample's timeout, before the sampler's kind)
         if self.tree is None:
             raise RuntimeError("update_priorities needs ReplayReader(..., sampler='prioritized')")
-        if isinstance(index, TensorDictBase):
-            if INDEX not in index.keys(include_nested=True):
-                raise ValueError("update_priorities takes a batch from sample() of this prioritized reader (it "
-                                 "carries ('ingestd', 'index')), or slot numbers; sequence samples carry none: "
-                                 "pass their ('ingestd', 'write_index') % capacity as slots")
-            write_index = index.get(("ingestd", "write_index")) if write_index is None else write_index
-            index = index.get(INDEX)
-        slots = slot_indices(index, "index")
-        prio = np.abs(_priorities(priority))
-        if prio.size == 1 and slots.size > 1:
-            prio = np.full(slots.size, prio[0])
-        if not np.isfinite(prio).all():
-            raise ValueError("priorities must be finite (a NaN or inf TD error?); nothing was updated")
-        with np.errstate(over="ignore"):  # huge priorities ** alpha: inf, then capped
-            leaves = np.minimum((prio + PRIORITY_EPS) ** self.alpha, LEAF_MAX)
-        seq = self.reader.seq
-        if write_index is not None:
-            expected = 2 * slot_indices(write_index, "write_index") + 2
-        else:
-            bound = np.clip(slots, 0, self.reader.capacity - 1)
-            expected = seq[bound]
-            committed = (expected > 0) & ((expected & 1) == 0)
-            expected = np.where(committed, expected, -1)
-        return self.tree.update(slots, leaves, seq=seq, expected_seq=expected, timeout=timeout)
+        r = self.reader
+        return prioritized.update(self.tree, r.seq, r.capacity, self.alpha, index, priority, write_index, timeout)
 
     # -- drawing and accepting rows -------------------------------------------------------------
     def _sample(self, n: int, into: tuple | None = None) -> TensorDict | None:
@@ -414,44 +372,14 @@ class Sampling:
         return eligible
 
     def _draw_prioritized(self, m: int) -> np.ndarray | None:
-        """``m`` slots drawn by priority, stratified: the total is cut into ``m`` equal ranges and
-        one point is drawn in each (as in the prioritized replay paper), so every slot's expected
-        count is exactly ``m * P(i)`` and the points come sorted, which makes the descent walk
-        the tree in order (about a third cheaper at 1M slots). The slots are then shuffled, so
-        the batch is not ordered by slot.
-
-        A descent racing a change may end on a zero leaf (a slot never written or cleared, or
-        padding past the capacity): those few are drawn again."""
-        tree, rng = self.tree, self.reader._rng
-        if tree.interrupted:  # a change cut short left stale sums: repaired before drawing from them
-            tree.repair()
-        slots = np.empty(0, dtype=np.int64)
-        for _ in range(_DRAW_ROUNDS):
-            total = tree.total
-            if total <= 0:
-                return None
-            k = m - slots.size
-            more = tree.descend((np.arange(k) + rng.random(k)) * (total / k))
-            slots = np.concatenate((slots, more)) if slots.size else more
-            zero = tree.levels[0][slots] == 0
-            if not zero.any():
-                return slots[rng.permutation(m)]
-            slots = slots[~zero]
-        return None
+        return prioritized.draw(self.tree, self.reader._rng, m)
 
     def extra_keys(self, n: int) -> dict:
         """Empty ``[n]`` leaves of the keys this sampler adds to the storage's (for ``empty_batch``)."""
-        if self.tree is None:
-            return {}
-        return {INDEX: torch.empty(n, dtype=torch.int64), WEIGHT: torch.empty(n, dtype=torch.float32)}
+        return {} if self.tree is None else prioritized.empty_keys(n)
 
     def _priority_keys(self, slots: np.ndarray, leaves: np.ndarray) -> dict:
-        """The slots, and importance weights ``(N * P(i)) ** -beta`` over the batch's largest:
-        ``N`` and the total cancel, leaving ``(min leaf / leaf) ** beta`` (the leaves they were
-        drawn with)."""
-        leaf = np.maximum(leaves, np.finfo(np.float64).tiny)
-        w = (leaf.min() / leaf) ** self.beta
-        return {INDEX: torch.from_numpy(slots.copy()), WEIGHT: torch.from_numpy(w.astype(np.float32))}
+        return prioritized.sample_keys(slots, leaves, self.beta)
 
     def _note_lag(self, out: TensorDict) -> None:
         if self.weights_version is None:
@@ -485,22 +413,3 @@ def _attach_limiter(reader) -> Limiter | None:
                     "the trainer's user to the daemon's group (docs/systemd.md) to take part in rate limiting",
                     reader.path / LIMITER_FILE)
         return None
-
-
-def _priorities(priority) -> np.ndarray:
-    """``priority`` as a flat float64 array: real numbers only (a bool, a string or a complex
-    value was cast silently, or failed with numpy's message; None said "must be finite")."""
-    if priority is None:
-        raise ValueError("update_priorities needs the priorities (a tensor or array of |TD error|), got None; "
-                         "nothing was updated")
-    values = _numpy(priority)
-    if values.dtype.kind not in "fiu":
-        raise ValueError(f"priorities must be real numbers (a float tensor or array of |TD error|), got "
-                         f"{values.dtype} values; nothing was updated")
-    return values.astype(np.float64).reshape(-1)
-
-
-def _numpy(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
