@@ -99,6 +99,17 @@ class NaNObservation(_Wrapped):
         transition.set(("next", "observation"), obs)
 
 
+class DoneNotTerminated(_Wrapped):
+    """Episodes that end as terminated (or truncated) with ``("next", "done")`` left False."""
+
+    def fault(self, transition):
+        transition.set(("next", "done"), torch.zeros_like(transition.get(("next", "done"))))
+
+
+def done_not_terminated(ctx, **kw):
+    return DoneNotTerminated(ctx, **{"inner": "CartPole", **kw})
+
+
 def nan_observation(ctx, **kw):
     return NaNObservation(ctx, **{"inner": "CartPole", **kw})
 
@@ -297,3 +308,27 @@ class Drift(TorchEnv):
     def _step(self, action):
         self.x += 0.1 * action.clamp(-1, 1)
         return self.x.clone(), -self.x.abs().squeeze(-1), self.x.abs().squeeze(-1) > 1, self.x[:, 0] != self.x[:, 0], {}
+
+
+def grabbing_signals(ctx, in_reset: bool = False, **kw):
+    """Checksum, with an env library that installs its own signal handling as it loads (SIGTERM
+    ignored, SIGINT and SIGHUP handlers of its own), or, with ``in_reset``, in its first reset."""
+    import signal
+
+    def grab():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, lambda *a: None)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+    env = make_env("Checksum", ctx, {})
+    if not in_reset:
+        grab()
+        return env
+    reset = env.reset
+
+    def grabbing_reset():
+        grab()
+        return reset()
+
+    env.reset = grabbing_reset
+    return env

@@ -215,6 +215,22 @@ def test_toml_syntax_error_names_the_file_line_and_column(tmp_path, text, messag
     assert "config key" not in str(info.value) and info.value.key == str(path)
 
 
+@pytest.mark.parametrize("value, said", [
+    ("9" * 5000, "a value Python cannot read (Exceeds the limit (4300 digits)"),
+    ("[" * 50_000 + "]" * 50_000, "arrays or inline tables nested too deeply to read"),
+], ids=["an integer of 5000 digits", "arrays nested 50000 deep"])
+def test_toml_python_cannot_read_is_a_config_error_in_a_file_and_a_set(tmp_path, value, said):
+    """Chaos review: such a file, or such a --set, ended ``config check``, ``run`` and a reload in a
+    ValueError or RecursionError traceback (exit 1, which systemd retries for ever)."""
+    path = write(tmp_path, f"[workers]\ncount = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {said}"), str(info.value)[:300]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"workers.count={value}"])
+    assert info.value.key == "workers.count" and said in str(info.value), str(info.value)[:300]
+
+
 def test_every_problem_is_reported_at_once_and_cross_checks_wait_for_the_keys(tmp_path):
     """A config with four problems names all four, in the file's order, not just the first;
     the check across keys (capacity against workers) runs only once every key is right."""

@@ -107,6 +107,23 @@ def test_non_finite_observations_are_refused_naming_the_env_unless_check_finite_
     assert bool(rows.get(("next", "observation")).isnan().any())
 
 
+def test_a_done_flag_other_than_terminated_or_truncated_is_refused_naming_the_env():
+    """Chaos review: an env whose done stayed False on terminated steps had its rows stored: the
+    episode stamps (which follow done) ran on for ever while a loss read terminated."""
+    ctx = EnvContext(num_envs=ENVS, seed=0, worker=0, episode_base=0)
+    env = faulty_envs.done_not_terminated(ctx)
+    rollout = Rollout(env, discrete_policy(0), 0, 0, STEPS, checks=RowChecks.of(env.spec))
+    with pytest.raises(EnvFault) as err:
+        for _ in range(5):  # a CartPole episode pushed one way ends within ~10 steps
+            rollout.chunk(0)
+    message = str(err.value)
+    assert err.value.key == "workers.env" and "('next', 'done') is not terminated or truncated" in message, message
+    assert "done False, terminated True" in message and "done = terminated | truncated" in message, message
+    right = cartpole()  # the same episodes with the flags right: stored
+    rollout = Rollout(right, discrete_policy(0), 0, 0, STEPS, checks=RowChecks.of(right.spec))
+    assert any(bool(rollout.chunk(0)[0].get(("next", "done")).any()) for _ in range(5))
+
+
 @pytest.mark.parametrize("settings,named,said", [
     (['workers.policy_kwargs={mode="fits", value=9.0}'], "workers.policy", "outside the env's action bounds"),
     (['workers.policy_kwargs={mode="fits", value=nan}'], "workers.policy", "non-finite action"),

@@ -200,6 +200,21 @@ def test_reopen_refuses_a_header_publish_cannot_leave(tmp_path, state):
         WeightStore.reopen(tmp_path / "v", manifest_of(state))
 
 
+@pytest.mark.parametrize("word", [7, -1])
+def test_an_active_word_other_than_0_or_1_is_damage_to_the_writer_and_to_readers(tmp_path, state, word):
+    """Chaos review: 7 raised IndexError at every daemon start (exit 1, retried for ever by systemd)
+    where other damage is replaced; -1 silently picked buffer 1."""
+    with WeightStore.create(tmp_path / "w", manifest_of(state)) as first:
+        first.publish(state)
+        reader = WeightStore.attach(tmp_path / "w")
+        first._header[H_ACTIVE] = word
+        with pytest.raises(CorruptStorage, match=f"active-buffer word is {word}, not 0 or 1"):
+            reader.read(timeout=1)
+        reader.close()
+    with pytest.raises(CorruptStorage, match=f"active-buffer word is {word}"):
+        WeightStore.reopen(tmp_path / "w", manifest_of(state))
+
+
 def test_reader_retries_when_its_buffer_is_overwritten_during_the_copy(writer, state):
     """Deterministic interleaving: two publishes land while the reader copies buffer 1."""
     writer.publish(state)

@@ -6,6 +6,10 @@
   policy's actions before the env steps (:class:`ClippedActions`, stored
   clamped, as the env executed them), ``off`` stores them as they come.
 - The reward is finite.
+- ``("next", "done")`` is ``terminated | truncated`` where the env gives all
+  three as same-shaped bool leaves (TorchRL's layout): the episode and step
+  stamps follow ``done``, a TorchRL loss reads ``terminated``, so rows that
+  disagree would be wrong for one of them.
 - Every other small float leaf (observations, extra keys) is finite, unless
   ``workers.check_finite = false`` (envs that use inf on purpose). Large
   leaves (images) are not scanned: that would be a pass over all their bytes.
@@ -115,6 +119,7 @@ def check_rows(rows: TensorDictBase, checks: RowChecks, floats: list) -> None:
     if reward is None:
         raise EnvFault("the env's transitions have no ('next', 'reward') entry", key="workers.env")
     _check_finite(rows, reward, "the env returned a non-finite reward", "fix the env")
+    _check_done(rows)
     if not checks.finite:
         return
     for key, leaf in floats:
@@ -158,6 +163,26 @@ def _check_action(rows: TensorDictBase, action: torch.Tensor, checks: RowChecks)
                    f"{_bound(checks.high[i], action)}]); the chunk was not stored. Make the policy squash or clip "
                    "its actions, or set workers.action_bounds = \"clip\" (clamped before the env steps, and "
                    "stored clamped) or \"off\" (stored as they come)", key="workers.policy")
+
+
+def _check_done(rows: TensorDictBase) -> None:
+    """Refuse ``("next", "done")`` other than ``terminated | truncated`` (bool leaves of one shape)."""
+    flags = [rows.get(("next", name), None) for name in ("done", "terminated", "truncated")]
+    if not all(isinstance(f, torch.Tensor) and f.dtype == torch.bool and f.is_cpu for f in flags):
+        return
+    done, terminated, truncated = (f.numpy() for f in flags)
+    if not done.shape == terminated.shape == truncated.shape:
+        return
+    either = np.logical_or(terminated, truncated)
+    if np.array_equal(done, either):
+        return
+    bad = np.flatnonzero((done != either).reshape(done.shape[0], -1).any(-1))
+    row = int(bad[0])
+    raise EnvFault(f"the env's ('next', 'done') is not terminated or truncated in {bad.size} rows (first: "
+                   f"{_where(rows, row)}: done {bool(done[row].any())}, terminated {bool(terminated[row].any())}, "
+                   f"truncated {bool(truncated[row].any())}); the chunk was not stored. Set done = terminated | "
+                   "truncated in the env (TorchRL's layout): the episode stamps follow done, losses read "
+                   "terminated", key="workers.env")
 
 
 def _check_finite(rows: TensorDictBase, values: torch.Tensor, what: str, todo: str,

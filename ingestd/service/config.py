@@ -290,6 +290,17 @@ def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(where, _syntax_error(text, str(exc))) from None
+    except (ValueError, RecursionError) as exc:  # past what Python parses (chaos review: a traceback, exit 1)
+        raise ConfigFileError(where, _unparsable(exc)) from None
+
+
+def _unparsable(exc: ValueError | RecursionError) -> str:
+    """Why valid-looking TOML could not be read: an integer past Python's 4,300 digits, or
+    arrays or inline tables nested past its recursion limit."""
+    if isinstance(exc, RecursionError):
+        return "arrays or inline tables nested too deeply to read; no setting needs more than a few levels"
+    why = str(exc).split(";")[0]  # (not its advice to raise the interpreter's limit)
+    return f"a value Python cannot read ({why}); no setting needs a number that long"
 
 
 _AT = re.compile(r"\s*\(at (?:line (\d+), column (\d+)|end of document)\)$")
@@ -338,11 +349,15 @@ def _apply_override(raw: dict[str, Any], text: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(".".join(parts[:depth]), f"is not a table, so {name} cannot be set inside it")
         node = child
-    node[parts[-1]] = _override_value(value)
+    try:
+        node[parts[-1]] = _override_value(value)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(name, _unparsable(exc)) from None
 
 
 def _override_value(text: str) -> Any:
-    """A TOML value (``4``, ``true``, ``{a = 1}``, ``"x"``), else the bare string."""
+    """A TOML value (``4``, ``true``, ``{a = 1}``, ``"x"``), else the bare string; the
+    ``ValueError`` or ``RecursionError`` of a value past what Python reads (:func:`_unparsable`)."""
     text = text.strip()
     try:
         doc = tomllib.loads(f"v = {text}")

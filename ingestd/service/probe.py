@@ -20,6 +20,7 @@ from ingestd.collect.nstep import schema_rows
 from ingestd.collect.rollout import Rollout, no_autograd
 from ingestd.collect.worker import WorkerSpec, build_env, build_policy
 from ingestd.errors import ConfigError, EnvFault, autograd_hint
+from ingestd.service.signals import kept_signals
 
 log = logging.getLogger("ingestd.daemon")
 
@@ -39,7 +40,8 @@ def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False)
 
     probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
     # in the workers' autograd mode from the build on (workers.inference_mode), as they run
-    with _deadline(config.workers.start_timeout_s, stopping), no_autograd(probe.inference_mode):
+    with _deadline(config.workers.start_timeout_s, stopping), no_autograd(probe.inference_mode), \
+            kept_signals("the env or policy (workers.env, workers.policy)"):
         rows, policy = _example_rows(probe, config.service.seed)
     _check_pushable(policy, config.control.max_message_bytes)
     return rows, policy

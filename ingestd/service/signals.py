@@ -6,15 +6,48 @@ reload, or an operator's ``kill -HUP``), so :func:`catch_early_sighup` is the
 first thing ``run`` does (after ``ingestd.service.tunables``' exec, which blocks SIGHUP
 across it): a SIGHUP then only sets :data:`EARLY_SIGHUP`, and the daemon reloads once
 it runs (the config file may have changed after it was read).
+
+:func:`kept_signals` keeps plug-in code (an env or policy factory, its first
+reset) from taking over SIGTERM, SIGINT and SIGHUP: simulator and client
+libraries install their own handlers as they load, and one that ignored SIGTERM
+in the daemon's start-up probe left a daemon that ``systemctl stop`` could only
+SIGKILL (chaos review).
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 EARLY_SIGHUP = threading.Event()
+KEPT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how ingestd processes stop, are stopped and reload
+log = logging.getLogger("ingestd.service")
 
 
 def catch_early_sighup() -> None:
     signal.signal(signal.SIGHUP, lambda signum, frame: EARLY_SIGHUP.set())
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # blocked across the tunables' exec
+
+
+@contextmanager
+def kept_signals(who: str) -> Iterator[None]:
+    """Run the block (plug-in code: ``who`` names it in the log) and put back how this process
+    handled each signal of :data:`KEPT` before it, saying which ones the block had changed.
+    Outside the main thread (where no handler can be set) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in KEPT}
+    try:
+        yield
+    finally:
+        changed = [signum for signum, handler in before.items() if signal.getsignal(signum) != handler]
+        for signum in changed:
+            signal.signal(signum, before[signum])
+        if changed:
+            log.warning("%s changed how this process handles %s; ingestd put its own handling back (it stops "
+                        "on SIGTERM and SIGINT and reloads on SIGHUP; workers ignore SIGINT and SIGHUP). A "
+                        "library's own handlers for these signals do not run under ingestd",
+                        who, ", ".join(signal.Signals(s).name for s in changed))

@@ -146,7 +146,12 @@ class WeightStore:
         if store.manifest != manifest:
             store.close()
             return None
-        header, active = store._header, int(store._header[H_ACTIVE])
+        header = store._header
+        try:
+            active = store._active(header)
+        except CorruptStorage:
+            store.close()
+            raise
         if int(header[H_SEQ[active]]) % 2:
             store.close()
             raise CorruptStorage(f"{path}: the active buffer is marked as being written; it is damaged")
@@ -266,13 +271,21 @@ class WeightStore:
     def _try_copy(self, private: np.ndarray) -> int:
         """Copy the active buffer; return its version, or 0 if it changed meanwhile (retry)."""
         header = self._open_header()
-        active = int(header[H_ACTIVE])
+        active = self._active(header)
         seq = int(header[H_SEQ[active]])
         version = int(header[H_BUFVER[active]])
         if seq & 1 or version == 0:
             return 0
         self._copy_buffer(active, private)
         return version if int(header[H_SEQ[active]]) == seq else 0
+
+    def _active(self, header: np.ndarray) -> int:
+        """The active buffer's index, 0 or 1: any other word (a negative one picked a buffer
+        by Python's indexing, a larger one raised IndexError at every start) is damage."""
+        active = int(header[H_ACTIVE])
+        if active not in (0, 1):
+            raise CorruptStorage(f"{self.path}: the active-buffer word is {active}, not 0 or 1; it is damaged")
+        return active
 
     def _copy_buffer(self, index: int, out: np.ndarray) -> None:
         np.copyto(out, self._buffers[index])
