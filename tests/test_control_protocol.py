@@ -5,6 +5,7 @@ import json
 import os
 import re
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -395,9 +396,12 @@ def test_a_timer_signal_does_not_stretch_the_wait():
 
 
 @pytest.mark.parametrize("leftover", ["unix socket", "plain file"])
-def test_a_socket_file_nobody_answers_on_is_named_in_the_silence(tmp_path, leftover):
+@pytest.mark.parametrize("wait_for_socket", [True, False], ids=["a trainer's client", "ingestctl's"])
+def test_a_socket_file_nobody_answers_on_is_named(tmp_path, leftover, wait_for_socket):
     """After ``kill -9`` the daemon's socket file stays: "no reply" alone sent operators looking
-    for a wrong address; the message says the file is there but no daemon answered on it."""
+    for a wrong address; the message says the file is there but nothing answered on it. A client
+    that does not wait for the socket (ingestctl) says so at once, sending nothing: it waited out
+    its whole timeout (5 s) for a connection the kernel had refused (walkthrough review)."""
     import socket
 
     from ingestd import ControlClient, DaemonUnavailable
@@ -409,11 +413,34 @@ def test_a_socket_file_nobody_answers_on_is_named_in_the_silence(tmp_path, lefto
         dead.close()
     else:
         path.write_text("")
-    with ControlClient(f"ipc://{path}", timeout=0.3, retries=0, wait_for_socket=False) as client:
-        with pytest.raises(DaemonUnavailable, match="no reply") as err:
+    timeout = 0.3 if wait_for_socket else 30.0
+    with ControlClient(f"ipc://{path}", timeout=timeout, retries=0, wait_for_socket=wait_for_socket) as client:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="no reply" if wait_for_socket else "was not sent") as err:
             client.ping()
-    assert f"the socket file {path} exists but no daemon answered on it" in str(err.value)
+        took = time.monotonic() - t0
+    said = "exists but no daemon answered on it" if wait_for_socket else "exists but nothing listens on it"
+    assert f"the socket file {path} {said}" in str(err.value)
     assert "systemctl status ingestd" in str(err.value)
+    if not wait_for_socket:
+        assert took < timeout / 2, f"{took:.1f} s: waited for a socket nothing listens on"
+
+
+def test_a_busy_daemons_socket_is_not_taken_for_a_dead_one(tmp_path):
+    """Only a refused connection is a dead socket: one that accepts is tried as before."""
+    import socket
+
+    from ingestd.control.sockets import refused
+
+    path = tmp_path / "live.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(path))
+    live.listen(1)
+    try:
+        assert not refused(path) and not refused(tmp_path / "missing.sock")
+    finally:
+        live.close()
+    assert refused(path)
 
 
 def test_a_client_of_the_events_socket_is_told_it_is_not_the_control_socket(tmp_path):

@@ -109,6 +109,20 @@ def test_an_empty_storage_round_trips(shm_dir):
         assert len(reader) == 0 and reader.write_count == 0
 
 
+def test_a_snapshot_is_as_private_as_its_replay_whatever_the_umask(shm_dir):
+    """Walkthrough review: under umask 022 a snapshot was 0755 with 0644 files (every user could
+    read the rows) while the replay it copied is 0750 with 0640 files."""
+    src = filled(shm_dir / "src", "cartpole", 64, rows=50)
+    old = os.umask(0o022)
+    try:
+        snapshot.save(src, shm_dir / "snap")
+    finally:
+        os.umask(old)
+    assert (shm_dir / "snap").stat().st_mode & 0o777 == 0o750
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (shm_dir / "snap").iterdir()}
+    assert modes and set(modes.values()) == {0o640}, modes
+
+
 def test_snapshots_taken_while_writers_write_hold_only_intact_rows(ctx, shm_dir):  # noqa: F811
     path = create(shm_dir / "r", capacity=4096)
     infos = []

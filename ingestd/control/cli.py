@@ -9,7 +9,7 @@ Exit codes (sysexits.h, so scripts can tell what went wrong):
 65  the input file is not usable (push-weights: not a state dict of tensors)
 66  the input file does not exist or cannot be read
 69  no daemon: no reply within the timeout (not running, wrong address, no access), or, at
-    once, no socket file at an ipc:// address
+    once, no socket file at an ipc:// address, or one nothing listens on
 73  keygen: cannot write the key files (they exist: use --force; or --dir does not exist)
 75  temporary failure: the daemon replied timeout, busy or unavailable; retrying may work
 76  the reply was not understood (not an ingestd socket, or a version mismatch)

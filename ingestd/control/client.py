@@ -49,6 +49,7 @@ from ingestd.control.commands import (
 from ingestd.control.protocol import (
     PROTOCOL_VERSION, Reply, decode_reply, encode_header, socket_file,
 )
+from ingestd.control.sockets import refused
 from ingestd.errors import BadReply, BadWeights, ClosedError, DaemonUnavailable
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -312,6 +313,11 @@ class ControlClient:
             # said at once: connecting needs write access, and a refused connect only looked like silence
             raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: you have no write access to "
                                     f"{self._socket_file}; join the daemon's group (docs/systemd.md)")
+        if not self.wait_for_socket and self._socket_file is not None and refused(self._socket_file):
+            # (walkthrough review: ingestctl waited out its 5 s timeout on the file a killed daemon left)
+            raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: the socket file "
+                                    f"{self._socket_file} exists but nothing listens on it (a daemon killed without "
+                                    "cleanup, or stopped): check `systemctl status ingestd` or the daemon's pid")
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:

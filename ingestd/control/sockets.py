@@ -53,6 +53,21 @@ class AddressInUse(OSError):
     """A control or event address is already taken by a live process."""
 
 
+def refused(path) -> bool:
+    """Whether connecting to the unix socket file ``path`` is refused (ECONNREFUSED): nothing
+    listens on it, a file left by a killed daemon (or a file that is no socket). Any other
+    outcome (a connection, no such file, a full backlog's timeout) is not a refusal."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
 def answering(path) -> bool:
     """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
     left by a killed one refuses them, and a missing one is no listener)."""

@@ -115,6 +115,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
+        _as_the_replay(tmp)
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -399,6 +400,15 @@ def _partial(dest: Path) -> Path:
 
 
 _NAME_MAX = 255  # bytes of a file name (Linux file systems)
+
+
+def _as_the_replay(tmp: Path) -> None:
+    """The snapshot's modes as its replay's (``ReplayStorage.create``): the group reads it,
+    nobody else, whatever the umask (walkthrough review: a snapshot of a 0750 replay was 0755,
+    its rows in 0644 files, under a shell's umask 022)."""
+    for entry in tmp.iterdir():
+        os.chmod(entry, 0o640)
+    os.chmod(tmp, 0o750)
 
 
 def _publish(tmp: Path, dest: Path) -> None:
