@@ -66,11 +66,13 @@ def _open_factory(ctx, **anything):
     (_open_factory, {"anything": 1, "at_all": 2}, None),
     (lambda: None, {}, "takes no positional argument"),
     (CartPole, {"max_steps": 10}, None),
-    (CartPole, {"max_step": 10}, r"unknown keyword arguments \['max_step'\]; it accepts \['max_steps'\]"),
+    (CartPole, {"max_step": 10}, r"unknown keyword arguments \['max_step'\]; it accepts \['max_steps'\]; "
+                                 r"did you mean 'max_steps' for 'max_step'\?$"),
     (Checksum, {"anything": 1}, r"it accepts none"),
     (Gym, {"id": "CartPole-v1", "max_episode_steps": 5}, None),  # **gym_kwargs
     (MLP, {"hidden": [8], "epsilon": 0.1, "seed": 1}, None),
-    (MLP, {"hiden": [8]}, r"unknown keyword arguments \['hiden'\]"),
+    (MLP, {"hiden": [8]}, r"unknown keyword arguments \['hiden'\]; .* did you mean 'hidden' for 'hiden'\?"),
+    (MLP, {"zzz": [8]}, r"unknown keyword arguments \['zzz'\]; it accepts \[[^]]*\]$"),  # nothing close: no guess
     (MLP, {"spec": None}, "'spec' is supplied by ingestd"),
 ])
 def test_validate_kwargs(factory, kwargs, message):

@@ -12,6 +12,7 @@ import inspect
 from typing import Any, Callable, Mapping
 
 from ingestd.collect.interfaces import Env, EnvContext, EnvSpec, Policy
+from ingestd.service.config_toml import suggest
 
 ENV_ALIASES: Mapping[str, str] = {
     "CartPole": "ingestd.collect.envs.cartpole:CartPole",
@@ -99,8 +100,9 @@ def validate_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> N
     if not any(p.kind is kinds.VAR_KEYWORD for p in params):
         unknown = sorted(set(kwargs) - set(named))
         if unknown:
+            hint = "".join(f"{suggest(k, named)[:-1]} for {k!r}?" for k in unknown if suggest(k, named))
             raise ValueError(f"{name} got unknown keyword arguments {unknown}; "
-                             f"it accepts {sorted(named) or 'none'}")
+                             f"it accepts {sorted(named) or 'none'}{hint}")
     missing = sorted(k for k, p in named.items() if p.default is kinds.empty and k not in kwargs)
     if missing:
         raise ValueError(f"{name} is missing required keyword arguments {missing}")
