@@ -310,24 +310,35 @@ class Drift(TorchEnv):
         return self.x.clone(), -self.x.abs().squeeze(-1), self.x.abs().squeeze(-1) > 1, self.x[:, 0] != self.x[:, 0], {}
 
 
-def grabbing_signals(ctx, in_reset: bool = False, **kw):
-    """Checksum, with an env library that installs its own signal handling as it loads (SIGTERM
-    ignored, SIGINT and SIGHUP handlers of its own), or, with ``in_reset``, in its first reset."""
+def grab_signals(native: bool = False) -> None:
+    """What an env library may do as it loads: SIGTERM ignored, SIGINT and SIGHUP handled its way;
+    ``native``: through libc's ``signal()``, which Python's ``signal.getsignal`` does not see."""
+    import ctypes
     import signal
 
-    def grab():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, lambda *a: None)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if native:
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        for signum, how in ((signal.SIGTERM, 1), (signal.SIGINT, 0), (signal.SIGHUP, 0)):  # SIG_IGN, SIG_DFL
+            libc.signal(signum, how)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda *a: None)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
+
+def grabbing_signals(ctx, in_reset: bool = False, native: bool = False, **kw):
+    """Checksum, with an env library that sets its own signal handling (:func:`grab_signals`)
+    when the env is made, or, with ``in_reset``, in its first reset."""
     env = make_env("Checksum", ctx, {})
     if not in_reset:
-        grab()
+        grab_signals(native)
         return env
     reset = env.reset
 
     def grabbing_reset():
-        grab()
+        grab_signals(native)
         return reset()
 
     env.reset = grabbing_reset

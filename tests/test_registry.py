@@ -73,6 +73,8 @@ def _open_factory(ctx, **anything):
     (MLP, {"hidden": [8], "epsilon": 0.1, "seed": 1}, None),
     (MLP, {"hiden": [8]}, r"unknown keyword arguments \['hiden'\]; .* did you mean 'hidden' for 'hiden'\?"),
     (MLP, {"zzz": [8]}, r"unknown keyword arguments \['zzz'\]; it accepts \[[^]]*\]$"),  # nothing close: no guess
+    (MLP, {"hiden": [8], "epsilom": 0.1}, r"did you mean 'epsilon' for 'epsilom', 'hidden' for 'hiden'\?$"),
+    (MLP, {"hidden": [8], "hiden": [8]}, r"unknown keyword arguments \['hiden'\]; it accepts \[[^]]*\]$"),  # given
     (MLP, {"spec": None}, "'spec' is supplied by ingestd"),
 ])
 def test_validate_kwargs(factory, kwargs, message):

@@ -109,18 +109,22 @@ def test_an_empty_storage_round_trips(shm_dir):
         assert len(reader) == 0 and reader.write_count == 0
 
 
-def test_a_snapshot_is_as_private_as_its_replay_whatever_the_umask(shm_dir):
+@pytest.mark.parametrize("replay_modes", [(0o750, 0o640), (0o700, 0o600)])
+def test_a_snapshot_is_as_private_as_its_replay_whatever_the_umask(shm_dir, replay_modes):
     """Walkthrough review: under umask 022 a snapshot was 0755 with 0644 files (every user could
-    read the rows) while the replay it copied is 0750 with 0640 files."""
+    read the rows) while the replay it copied is 0750 with 0640 files; and (diff review) a replay
+    made under umask 077 must not get a looser snapshot."""
     src = filled(shm_dir / "src", "cartpole", 64, rows=50)
+    os.chmod(src, replay_modes[0])
+    os.chmod(Path(src) / "data.bin", replay_modes[1])
     old = os.umask(0o022)
     try:
         snapshot.save(src, shm_dir / "snap")
     finally:
         os.umask(old)
-    assert (shm_dir / "snap").stat().st_mode & 0o777 == 0o750
+    assert (shm_dir / "snap").stat().st_mode & 0o777 == replay_modes[0]
     modes = {p.name: p.stat().st_mode & 0o777 for p in (shm_dir / "snap").iterdir()}
-    assert modes and set(modes.values()) == {0o640}, modes
+    assert modes and set(modes.values()) == {replay_modes[1]}, modes
 
 
 def test_snapshots_taken_while_writers_write_hold_only_intact_rows(ctx, shm_dir):  # noqa: F811

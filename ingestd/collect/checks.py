@@ -168,15 +168,23 @@ def _check_action(rows: TensorDictBase, action: torch.Tensor, checks: RowChecks)
 def _check_done(rows: TensorDictBase) -> None:
     """Refuse ``("next", "done")`` other than ``terminated | truncated`` (bool leaves of one shape)."""
     flags = [rows.get(("next", name), None) for name in ("done", "terminated", "truncated")]
-    if not all(isinstance(f, torch.Tensor) and f.dtype == torch.bool and f.is_cpu for f in flags):
+    if not all(isinstance(f, torch.Tensor) and f.dtype == torch.bool for f in flags):
         return
-    done, terminated, truncated = (f.numpy() for f in flags)
-    if not done.shape == terminated.shape == truncated.shape:
+    done, terminated, truncated = flags
+    if not done.shape == terminated.shape == truncated.shape or done.dim() == 0:
         return
-    either = np.logical_or(terminated, truncated)
-    if np.array_equal(done, either):
-        return
-    bad = np.flatnonzero((done != either).reshape(done.shape[0], -1).any(-1))
+    if done.is_cpu:  # (numpy: a third of torch's cost for these [rows, 1] flags)
+        done, terminated, truncated = (f.numpy() for f in flags)
+        wrong = done != np.logical_or(terminated, truncated)
+        if not wrong.any():
+            return
+        bad = np.flatnonzero(wrong.reshape(done.shape[0], -1).any(-1))
+    else:  # an env on a GPU: compared there, only the rows at fault come back
+        wrong = done != (terminated | truncated)
+        if not bool(wrong.any()):
+            return
+        bad = wrong.reshape(done.shape[0], -1).any(-1).nonzero().flatten().cpu().numpy()
+        done, terminated, truncated = (f.cpu().numpy() for f in flags)
     row = int(bad[0])
     raise EnvFault(f"the env's ('next', 'done') is not terminated or truncated in {bad.size} rows (first: "
                    f"{_where(rows, row)}: done {bool(done[row].any())}, terminated {bool(terminated[row].any())}, "

@@ -7,12 +7,12 @@ reject a config before any worker starts.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from typing import Any, Callable, Mapping
 
 from ingestd.collect.interfaces import Env, EnvContext, EnvSpec, Policy
-from ingestd.service.config_toml import suggest
 
 ENV_ALIASES: Mapping[str, str] = {
     "CartPole": "ingestd.collect.envs.cartpole:CartPole",
@@ -100,7 +100,9 @@ def validate_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> N
     if not any(p.kind is kinds.VAR_KEYWORD for p in params):
         unknown = sorted(set(kwargs) - set(named))
         if unknown:
-            hint = "".join(f"{suggest(k, named)[:-1]} for {k!r}?" for k in unknown if suggest(k, named))
+            free = [k for k in named if k not in kwargs]  # (not a name the config gives already)
+            guesses = [(k, close[0]) for k in unknown if (close := difflib.get_close_matches(k, free, 1, 0.6))]
+            hint = "; did you mean " + ", ".join(f"{g!r} for {k!r}" for k, g in guesses) + "?" if guesses else ""
             raise ValueError(f"{name} got unknown keyword arguments {unknown}; "
                              f"it accepts {sorted(named) or 'none'}{hint}")
     missing = sorted(k for k, p in named.items() if p.default is kinds.empty and k not in kwargs)

@@ -313,11 +313,6 @@ class ControlClient:
             # said at once: connecting needs write access, and a refused connect only looked like silence
             raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: you have no write access to "
                                     f"{self._socket_file}; join the daemon's group (docs/systemd.md)")
-        if not self.wait_for_socket and self._socket_file is not None and refused(self._socket_file):
-            # (walkthrough review: ingestctl waited out its 5 s timeout on the file a killed daemon left)
-            raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: the socket file "
-                                    f"{self._socket_file} exists but nothing listens on it (a daemon killed without "
-                                    "cleanup, or stopped): check `systemctl status ingestd` or the daemon's pid")
         deadline = time.monotonic() + budget
         sent = 0
         with self._lock:
@@ -332,6 +327,13 @@ class ControlClient:
                 if not os.path.isdir(directory):
                     raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: {self._no_socket()}")
                 _check_own_dir(directory)
+            if not self.wait_for_socket and self._socket is None and self._socket_file is not None \
+                    and refused(self._socket_file):  # (once a connection: not a probe per request)
+                # (walkthrough review: ingestctl waited out its 5 s timeout on the file a killed daemon left)
+                raise DaemonUnavailable(f"{request.cmd!r} was not sent to {self.address}: the socket file "
+                                        f"{self._socket_file} exists but nothing listens on it (a daemon killed "
+                                        "without cleanup, or stopped): check `systemctl status ingestd` or the "
+                                        "daemon's pid")
             request_id = self._prefix + str(next(self._ids))
             frames = [encode_header(request_id, request.cmd, args), *payload]
             while sent < attempts and (remaining := deadline - time.monotonic()) > 0.001:

@@ -101,7 +101,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
     _remove_dead_partials(dest)
     tmp = _partial(dest)
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)  # nobody else's until _as_the_replay opens it as the replay is
         shutil.copyfile(Path(replay_path) / "meta.json", tmp / "meta.json")
         seq, block, skipped = _copy_rows(store, tmp / "data.lz4")
         _write_lz4(tmp / "seq.lz4", [seq.tobytes()])
@@ -115,7 +115,7 @@ def save(replay_path: str | os.PathLike, dest: str | os.PathLike) -> SnapshotInf
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         info["sha256"] = _digest(tmp / "meta.json", info)
         (tmp / "snapshot.json").write_text(json.dumps(info, indent=2))
-        _as_the_replay(tmp)
+        _as_the_replay(tmp, Path(replay_path))
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -402,13 +402,15 @@ def _partial(dest: Path) -> Path:
 _NAME_MAX = 255  # bytes of a file name (Linux file systems)
 
 
-def _as_the_replay(tmp: Path) -> None:
-    """The snapshot's modes as its replay's (``ReplayStorage.create``): the group reads it,
-    nobody else, whatever the umask (walkthrough review: a snapshot of a 0750 replay was 0755,
-    its rows in 0644 files, under a shell's umask 022)."""
+def _as_the_replay(tmp: Path, replay: Path) -> None:
+    """The snapshot's modes as its replay's: the directory's as the replay directory's, each
+    file's as its ``data.bin``'s, whatever the umask of the process saving it (walkthrough
+    review: a snapshot of a 0750 replay was 0755, its rows in 0644 files, under umask 022).
+    Only the regular files the save wrote are changed (the partial dir is 0700 until here)."""
     for entry in tmp.iterdir():
-        os.chmod(entry, 0o640)
-    os.chmod(tmp, 0o750)
+        if entry.is_file() and not entry.is_symlink():
+            os.chmod(entry, (replay / "data.bin").stat().st_mode & 0o666)
+    os.chmod(tmp, replay.stat().st_mode & 0o777)
 
 
 def _publish(tmp: Path, dest: Path) -> None:

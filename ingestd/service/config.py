@@ -287,20 +287,42 @@ def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         except UnicodeDecodeError as exc:
             raise ConfigFileError(where, f"the config file is not UTF-8 text (byte {exc.start})") from None
     try:
-        return tomllib.loads(text)
+        return _readable(tomllib.loads(text))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(where, _syntax_error(text, str(exc))) from None
     except (ValueError, RecursionError) as exc:  # past what Python parses (chaos review: a traceback, exit 1)
         raise ConfigFileError(where, _unparsable(exc)) from None
 
 
+MAX_NESTING = 32  # levels of tables and arrays in a config: no setting needs more than a few
+_INT64 = range(-2**63, 2**63)  # TOML's integers (its spec: 64-bit signed)
+_TOO_DEEP = f"arrays or inline tables nested more than {MAX_NESTING} levels deep; no setting needs more than a few"
+_TOO_LONG = "an integer outside TOML's 64-bit range (-2**63 to 2**63 - 1)"
+
+
+def _readable(value: Any, depth: int = 0) -> Any:
+    """``value`` (parsed TOML), if every integer in it is one TOML allows and it nests at most
+    :data:`MAX_NESTING` levels; else a ``ValueError`` saying which. Python's parser reads 64 KB
+    hex integers and ~400 levels of arrays, which the checks and messages after it cannot
+    (``str()`` of such an int raises, and so does recursing that deep: diff review)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        raise ValueError(_TOO_LONG)
+    if isinstance(value, (list, dict)):
+        if depth > MAX_NESTING:
+            raise ValueError(_TOO_DEEP)
+        for item in value.values() if isinstance(value, dict) else value:
+            _readable(item, depth + 1)
+    return value
+
+
 def _unparsable(exc: ValueError | RecursionError) -> str:
-    """Why valid-looking TOML could not be read: an integer past Python's 4,300 digits, or
-    arrays or inline tables nested past its recursion limit."""
-    if isinstance(exc, RecursionError):
-        return "arrays or inline tables nested too deeply to read; no setting needs more than a few levels"
-    why = str(exc).split(";")[0]  # (not its advice to raise the interpreter's limit)
-    return f"a value Python cannot read ({why}); no setting needs a number that long"
+    """Why valid-looking TOML could not be read: an integer past Python's 4,300 digits or
+    TOML's 64 bits, or arrays or inline tables nested past what Python or a config reads."""
+    if isinstance(exc, RecursionError) or str(exc) == _TOO_DEEP:
+        return _TOO_DEEP
+    if str(exc) == _TOO_LONG or "digits" in str(exc):  # (Python's own message advises raising its limit)
+        return _TOO_LONG
+    return f"a value Python cannot read: {exc}"
 
 
 _AT = re.compile(r"\s*\(at (?:line (\d+), column (\d+)|end of document)\)$")
@@ -363,7 +385,7 @@ def _override_value(text: str) -> Any:
         doc = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
-    return doc["v"] if list(doc) == ["v"] else text
+    return _readable(doc["v"], 1) if list(doc) == ["v"] else text
 
 
 # -- writing --------------------------------------------------------------------

@@ -116,6 +116,6 @@ def describe(value: Any) -> str:
 
 
 def suggest(word: str, choices: Any) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or ``""``."""
+    """``; did you mean 'x'?`` for the closest choice, or ``""``."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""

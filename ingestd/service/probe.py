@@ -34,15 +34,16 @@ def check_buildable(config, paths, stopping: Callable[[], bool] = lambda: False)
         from ingestd.control.curve import check_files  # (the config's rules require both keys for tcp://)
 
         check_files(paths.curve_secret_key, paths.curve_authorized_keys)  # before the slow env build
-    check_factories(config.workers)
-    check_device(config.workers.device)
-    from ingestd.service.layout import Layout
+    # the plug-ins' modules are imported here: one may set its own signal handlers as it loads
+    with kept_signals("the env or policy (workers.env, workers.policy)"):
+        check_factories(config.workers)
+        check_device(config.workers.device)
+        from ingestd.service.layout import Layout
 
-    probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
-    # in the workers' autograd mode from the build on (workers.inference_mode), as they run
-    with _deadline(config.workers.start_timeout_s, stopping), no_autograd(probe.inference_mode), \
-            kept_signals("the env or policy (workers.env, workers.policy)"):
-        rows, policy = _example_rows(probe, config.service.seed)
+        probe = Layout(config, paths, None, None, None, None, None).worker_spec(0)  # type: ignore[arg-type]
+        # in the workers' autograd mode from the build on (workers.inference_mode), as they run
+        with _deadline(config.workers.start_timeout_s, stopping), no_autograd(probe.inference_mode):
+            rows, policy = _example_rows(probe, config.service.seed)
     _check_pushable(policy, config.control.max_message_bytes)
     return rows, policy
 

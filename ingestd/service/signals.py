@@ -7,8 +7,8 @@ first thing ``run`` does (after ``ingestd.service.tunables``' exec, which blocks
 across it): a SIGHUP then only sets :data:`EARLY_SIGHUP`, and the daemon reloads once
 it runs (the config file may have changed after it was read).
 
-:func:`kept_signals` keeps plug-in code (an env or policy factory, its first
-reset) from taking over SIGTERM, SIGINT and SIGHUP: simulator and client
+:func:`kept_signals` keeps plug-in code (an env or policy module, factory, first
+reset) from taking over SIGTERM, SIGINT, SIGHUP, SIGCHLD and SIGPIPE: simulator and client
 libraries install their own handlers as they load, and one that ignored SIGTERM
 in the daemon's start-up probe left a daemon that ``systemctl stop`` could only
 SIGKILL (chaos review).
@@ -22,7 +22,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 EARLY_SIGHUP = threading.Event()
-KEPT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how ingestd processes stop, are stopped and reload
+# how ingestd processes stop, are stopped and reload; how the daemon learns its workers died
+# (SIGCHLD ignored: the kernel reaps them, and waitpid fails); SIGPIPE as Python sets it (ignored:
+# a client gone mid-reply is EPIPE, not the daemon's death)
+KEPT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE)
 log = logging.getLogger("ingestd.service")
 
 
@@ -35,19 +38,40 @@ def catch_early_sighup() -> None:
 def kept_signals(who: str) -> Iterator[None]:
     """Run the block (plug-in code: ``who`` names it in the log) and put back how this process
     handled each signal of :data:`KEPT` before it, saying which ones the block had changed.
-    Outside the main thread (where no handler can be set) the block just runs."""
+
+    Every one of them is set again afterwards, changed or not: a native library's own
+    ``sigaction()`` is invisible to Python's ``signal.getsignal`` (diff review), so changes are
+    also read off the kernel's masks (``/proc/self/status``). A signal whose handler Python did
+    not set (a C handler from before the interpreter started: ``getsignal`` gives None) is left
+    alone. Outside the main thread (where no handler can be set) the block just runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {signum: signal.getsignal(signum) for signum in KEPT}
+    masks = _masks()
     try:
         yield
     finally:
-        changed = [signum for signum, handler in before.items() if signal.getsignal(signum) != handler]
-        for signum in changed:
-            signal.signal(signum, before[signum])
+        changed = [signum for signum, handler in before.items()
+                   if signal.getsignal(signum) != handler or _mask_bits(_masks(), signum) != _mask_bits(masks, signum)]
+        for signum, handler in before.items():
+            if handler is not None:
+                signal.signal(signum, handler)
         if changed:
             log.warning("%s changed how this process handles %s; ingestd put its own handling back (it stops "
                         "on SIGTERM and SIGINT and reloads on SIGHUP; workers ignore SIGINT and SIGHUP). A "
                         "library's own handlers for these signals do not run under ingestd",
                         who, ", ".join(signal.Signals(s).name for s in changed))
+
+
+def _masks() -> dict[str, int]:
+    """The kernel's ignored and caught signal masks of this process (empty off Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            return {line[:6]: int(line.split()[1], 16) for line in status if line.startswith(("SigIgn", "SigCgt"))}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def _mask_bits(masks: dict[str, int], signum: int) -> tuple[bool, ...]:
+    return tuple(bool(mask >> (signum - 1) & 1) for _, mask in sorted(masks.items()))
