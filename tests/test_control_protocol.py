@@ -228,6 +228,28 @@ def test_ingestctl_resume_says_which_workers_a_spent_budget_keeps_paused(capsys)
         assert (says in out) if says else "stay paused" not in out, out
 
 
+@pytest.mark.parametrize("command", ["pause", "resume"])
+def test_ingestctl_pause_says_why_workers_did_not_acknowledge(capsys, command):
+    """With every worker failed, ``pause`` printed "paused: workers none acknowledged" and nothing
+    of why (walkthrough review)."""
+    from types import SimpleNamespace
+
+    from ingestd.control import cli
+    from ingestd.control.commands import Acked
+
+    workers = [SimpleNamespace(index=0, state="failed", pause_reason=""),
+               SimpleNamespace(index=1, state="running", pause_reason=""),
+               SimpleNamespace(index=2, state="starting", pause_reason="")]  # comes up as asked: not named
+    fake = SimpleNamespace(**{command: lambda timeout_s: Acked([1], 0.01)},
+                           status=lambda: SimpleNamespace(workers=workers))
+    assert cli._pause_resume(fake, SimpleNamespace(command=command, wait=None), cli.Output(as_json=False)) == 0
+    out = capsys.readouterr().out
+    verb = {"pause": "paused", "resume": "resumed"}[command]
+    assert out.startswith(f"{verb}: workers 1 acknowledged in 10.0 ms; worker 0 is failed: not collecting, so it "
+                          f"was not {verb}"), out
+    assert "ingestctl restart W" in out and "worker 2" not in out, out
+
+
 def test_ingestctl_push_says_a_budget_paused_worker_does_not_apply_it_on_resume(capsys, monkeypatch):
     """A push to a worker paused by a spent workers.total_frames said it "applies it on resume",
     which a resume cannot do (walkthrough review)."""

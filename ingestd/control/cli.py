@@ -312,8 +312,14 @@ def _pause_resume(client, args, out: Output) -> int:
 
     def text() -> str:
         said = f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}"
+        workers = client.status().workers
+        # (a starting worker follows the desired state as it comes up; a failed or stopped one never)
+        silent = [w for w in workers if w.index not in acked.workers and w.state in ("failed", "stopped")]
+        if silent:  # (walkthrough review: "workers none acknowledged", exit 0, said nothing of why)
+            said += (f"; {', '.join(f'worker {w.index} is {w.state}' for w in silent)}: not collecting, so it "
+                     f"was not {verb} (`ingestctl status` says why; `ingestctl restart W` starts one again)")
         if args.command == "resume":  # acknowledged, yet a spent frame budget keeps them paused: say so
-            held = _budget_held(client)
+            held = _budget_held(workers)
             if held:
                 said += (f"; workers {_list(held)} stay paused: workers.total_frames is reached (raise it and "
                          "restart the daemon to collect more)")
@@ -321,11 +327,10 @@ def _pause_resume(client, args, out: Output) -> int:
     return out.ok(acked.to_json(), text)
 
 
-def _budget_held(client, among: list[int] | None = None) -> list[int]:
-    """Workers (of ``among``) that a spent ``workers.total_frames`` budget keeps paused: a resume
-    does not start them (``status``' pause reason)."""
-    return [w.index for w in client.status().workers
-            if w.pause_reason == "budget" and (among is None or w.index in among)]
+def _budget_held(workers, among: list[int] | None = None) -> list[int]:
+    """Workers (of ``among``; ``workers``: ``status``' list) that a spent ``workers.total_frames``
+    budget keeps paused: a resume does not start them (``status``' pause reason)."""
+    return [w.index for w in workers if w.pause_reason == "budget" and (among is None or w.index in among)]
 
 
 def _restart(client, args, out: Output) -> int:
@@ -347,7 +352,8 @@ def _push(client, args, out: Output) -> int:
     def deferred() -> str:
         if not pushed.deferred:
             return ""
-        held = _budget_held(client, pushed.deferred)  # "apply it on resume" was a promise a resume cannot keep
+        # "apply it on resume" was a promise a resume cannot keep
+        held = _budget_held(client.status().workers, pushed.deferred)
         waiting = [i for i in pushed.deferred if i not in held]
         said = f"; paused workers {_list(waiting)} apply it on resume" if waiting else ""
         if held:
