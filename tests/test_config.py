@@ -142,7 +142,7 @@ BAD = [
      "must increase"),
     # and an integer past float's range made math.isfinite raise OverflowError (a traceback, not 78)
     # (TOML's integers are 64-bit: longer ones are refused as they are read, naming the key)
-    (["metrics.episode_return_buckets=[1" + "0" * 400 + "]"], "metrics.episode_return_buckets", "64-bit range"),
+    (["metrics.episode_return_buckets=[1" + "0" * 400 + "]"], "metrics.episode_return_buckets[0]", "64-bit range"),
     (["service.stop_timeout_s=1" + "0" * 400], "service.stop_timeout_s", "64-bit range"),
     (["service.start_weights=fresh"], "service.start_weights", "one of resume, initial"),
     (["control.address=tcp://0.0.0.0:5555"], "control.address", "ingestctl keygen"),
@@ -243,10 +243,31 @@ def test_toml_python_cannot_read_is_a_config_error_in_a_file_and_a_set(tmp_path,
     path = write(tmp_path, f"[workers]\ncount = {value}\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value).startswith(f"{path}: {said}"), str(info.value)[:300]
+    # named by the key where Python read the value, else by the file (its parser gave up first)
+    assert said in str(info.value), str(info.value)[:300]
+    assert info.value.key.startswith("workers.count") or str(info.value).startswith(f"{path}: {said}"), \
+        str(info.value)[:300]
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[f"workers.count={value}"])
-    assert info.value.key == "workers.count" and said in str(info.value), str(info.value)[:300]
+    assert info.value.key.startswith("workers.count") and said in str(info.value), str(info.value)[:300]
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[service]\nseed = 9223372036854775808\n", "service.seed"),
+    ("[workers]\nenv_kwargs = {a = [1, 0x1" + "0" * 20 + "]}\n", "workers.env_kwargs.a[1]"),
+    ("[workers]\nenv_kwargs = {a = " + "[" * 31 + "]" * 31 + "}\n", "workers.env_kwargs.a" + "[0]" * 30),
+])
+def test_a_value_past_what_toml_allows_in_a_file_names_its_key(tmp_path, text, key):
+    """Diff review: a 64-bit overflow in a file named only the file, where the key was named
+    before; nesting counts from the file's root, as for --set of the same key."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.key == key, str(info.value)
+    value = text.split("= ", 1)[1].strip()
+    name = "workers.env_kwargs" if "env_kwargs" in text else "service.seed"
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"{name}={value}"])
+    assert info.value.key == key, str(info.value)
 
 
 def test_toml_at_the_limits_is_read(tmp_path):

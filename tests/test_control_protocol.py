@@ -234,6 +234,7 @@ def test_ingestctl_pause_says_why_workers_did_not_acknowledge(capsys, command):
     of why (walkthrough review)."""
     from types import SimpleNamespace
 
+    from ingestd import DaemonUnavailable
     from ingestd.control import cli
     from ingestd.control.commands import Acked
 
@@ -248,6 +249,15 @@ def test_ingestctl_pause_says_why_workers_did_not_acknowledge(capsys, command):
     assert out.startswith(f"{verb}: workers 1 acknowledged in 10.0 ms; worker 0 is failed: not collecting, so it "
                           f"was not {verb}"), out
     assert "ingestctl restart W" in out and "worker 2" not in out, out
+    workers[2].state = "stopped"  # two: "they were"
+    assert cli._pause_resume(fake, SimpleNamespace(command=command, wait=None), cli.Output(as_json=False)) == 0
+    assert "worker 0 is failed, worker 2 is stopped: not collecting, so they were not" in capsys.readouterr().out
+
+    def gone():
+        raise DaemonUnavailable("gone")
+    fake.status = gone  # the pause was done: a daemon gone since leaves the plain line, exit 0
+    assert cli._pause_resume(fake, SimpleNamespace(command=command, wait=None), cli.Output(as_json=False)) == 0
+    assert capsys.readouterr().out.strip() == f"{verb}: workers 1 acknowledged in 10.0 ms"
 
 
 def test_ingestctl_push_says_a_budget_paused_worker_does_not_apply_it_on_resume(capsys, monkeypatch):

@@ -166,3 +166,19 @@ def test_an_action_of_another_shape_at_run_time_is_blamed_on_the_policy():
     with pytest.raises(EnvFault) as err:
         rolled(env, faulty_envs.odd_policy(env.spec, mode="wide"))
     assert err.value.key == "workers.policy" and "2 action elements per sub-env" in str(err.value), err.value
+
+
+def test_done_flags_on_different_devices_are_left_unchecked_not_a_crash():
+    """Diff review: a done on the CPU beside a terminated elsewhere raised in numpy (the worker
+    crashed) where flags it cannot compare are left alone."""
+    from tensordict import TensorDict
+
+    from ingestd.collect.checks import _check_done
+
+    n = 4
+    flags = {"done": torch.zeros(n, 1, dtype=torch.bool), "terminated": torch.ones(n, 1, dtype=torch.bool, device="meta"),
+             "truncated": torch.zeros(n, 1, dtype=torch.bool)}
+    _check_done(TensorDict({"next": TensorDict(flags, batch_size=[n])}, batch_size=[n]))
+    flags["terminated"] = torch.ones(n, 1, dtype=torch.bool)  # the same flags, comparable: refused
+    with pytest.raises(EnvFault, match="is not terminated or truncated in 4 rows"):
+        _check_done(TensorDict({"next": TensorDict(flags, batch_size=[n])}, batch_size=[n]))

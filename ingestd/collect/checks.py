@@ -173,6 +173,8 @@ def _check_done(rows: TensorDictBase) -> None:
     done, terminated, truncated = flags
     if not done.shape == terminated.shape == truncated.shape or done.dim() == 0:
         return
+    if terminated.device != done.device or truncated.device != done.device:  # (not comparable where they are)
+        return
     if done.is_cpu:  # (numpy: a third of torch's cost for these [rows, 1] flags)
         done, terminated, truncated = (f.numpy() for f in flags)
         wrong = done != np.logical_or(terminated, truncated)

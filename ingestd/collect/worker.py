@@ -25,8 +25,10 @@ from ingestd.collect.stats import RING, Desired, PauseReason, State, StatsBlock
 from ingestd.errors import EnvFault, autograd_hint, part_of
 from ingestd.replay.limiter import hold_worker
 from ingestd.service.limits import fd_hint, out_of_fds
-from ingestd.service.signals import kept_signals
+from ingestd.service.signals import KEPT, kept_signals
 
+# a worker has no children of ingestd's: an env's own SIGCHLD handling (reaping its simulator) stays
+WORKER_KEPT = tuple(s for s in KEPT if s != signal.SIGCHLD)
 log = logging.getLogger("ingestd.worker")
 
 WORKER_NICE = 5
@@ -185,7 +187,7 @@ class Worker:
         spec = self.spec
         # building an env can take longer than the heartbeat timeout; not longer than start_timeout_s
         with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="building its env and policy"), \
-                kept_signals(f"worker {spec.index}'s env or policy (workers.env, workers.policy)"):
+                kept_signals(f"worker {spec.index}'s env or policy (workers.env, workers.policy)", WORKER_KEPT):
             env, policy = build_env_and_policy(spec, seed, episode_base)
         weights = _attach_weights(spec.weights_path, policy)
         self.version = self._apply_weights(weights, policy, -1)
@@ -193,7 +195,7 @@ class Worker:
         self.extras = ChunkExtras(spec, env, policy, seeds, self.rec, self._beat)
         # the env's first reset (a simulator loading a scene) may be slow too
         with keepalive(self._beat, limit_s=spec.start_timeout_s, doing="its env's first reset"), \
-                kept_signals(f"worker {spec.index}'s env (workers.env), in its first reset"):
+                kept_signals(f"worker {spec.index}'s env (workers.env), in its first reset", WORKER_KEPT):
             rollout = Rollout(self.extras.env, self.extras.acting, spec.index, episode_base, spec.chunk_steps,
                               beat=self._beat, checks=self.extras.checks, inference_mode=spec.inference_mode)
         return env, policy, weights, rollout

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from ingestd.control.commands import MAX_WAIT_S
 from ingestd.control.torchfile import EX_DATAERR, EX_NOINPUT, InputError, load_state_dict
+from ingestd.errors import CommandFailed, DaemonUnavailable
 
 EX_OK, EX_FAILED, EX_USAGE = 0, 1, 64  # EX_DATAERR 65 and EX_NOINPUT 66: torchfile
 EX_UNAVAILABLE, EX_CANTCREAT, EX_TEMPFAIL, EX_PROTOCOL = 69, 73, 75, 76
@@ -312,12 +313,16 @@ def _pause_resume(client, args, out: Output) -> int:
 
     def text() -> str:
         said = f"{verb}: workers {_list(acked.workers)} acknowledged in {_ms(acked.seconds)}"
-        workers = client.status().workers
+        try:  # what follows only explains the reply: a daemon gone since does not undo the pause
+            workers = client.status().workers
+        except (DaemonUnavailable, CommandFailed):
+            return said
         # (a starting worker follows the desired state as it comes up; a failed or stopped one never)
         silent = [w for w in workers if w.index not in acked.workers and w.state in ("failed", "stopped")]
         if silent:  # (walkthrough review: "workers none acknowledged", exit 0, said nothing of why)
-            said += (f"; {', '.join(f'worker {w.index} is {w.state}' for w in silent)}: not collecting, so it "
-                     f"was not {verb} (`ingestctl status` says why; `ingestctl restart W` starts one again)")
+            were = "it was" if len(silent) == 1 else "they were"
+            said += (f"; {', '.join(f'worker {w.index} is {w.state}' for w in silent)}: not collecting, so "
+                     f"{were} not {verb} (`ingestctl status` says why; `ingestctl restart W` starts one again)")
         if args.command == "resume":  # acknowledged, yet a spent frame budget keeps them paused: say so
             held = _budget_held(workers)
             if held:

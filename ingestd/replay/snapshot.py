@@ -407,10 +407,11 @@ def _as_the_replay(tmp: Path, replay: Path) -> None:
     file's as its ``data.bin``'s, whatever the umask of the process saving it (walkthrough
     review: a snapshot of a 0750 replay was 0755, its rows in 0644 files, under umask 022).
     Only the regular files the save wrote are changed (the partial dir is 0700 until here)."""
+    files_mode = (replay / "data.bin").stat().st_mode & 0o666
     for entry in tmp.iterdir():
         if entry.is_file() and not entry.is_symlink():
-            os.chmod(entry, (replay / "data.bin").stat().st_mode & 0o666)
-    os.chmod(tmp, replay.stat().st_mode & 0o777)
+            os.chmod(entry, files_mode)
+    os.chmod(tmp, replay.stat().st_mode & 0o2777)  # (setgid kept: new files stay in the group)
 
 
 def _publish(tmp: Path, dest: Path) -> None:

@@ -287,11 +287,12 @@ def _read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         except UnicodeDecodeError as exc:
             raise ConfigFileError(where, f"the config file is not UTF-8 text (byte {exc.start})") from None
     try:
-        return _readable(tomllib.loads(text))
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(where, _syntax_error(text, str(exc))) from None
     except (ValueError, RecursionError) as exc:  # past what Python parses (chaos review: a traceback, exit 1)
         raise ConfigFileError(where, _unparsable(exc)) from None
+    return _readable(doc)
 
 
 MAX_NESTING = 32  # levels of tables and arrays in a config: no setting needs more than a few
@@ -300,27 +301,32 @@ _TOO_DEEP = f"arrays or inline tables nested more than {MAX_NESTING} levels deep
 _TOO_LONG = "an integer outside TOML's 64-bit range (-2**63 to 2**63 - 1)"
 
 
-def _readable(value: Any, depth: int = 0) -> Any:
-    """``value`` (parsed TOML), if every integer in it is one TOML allows and it nests at most
-    :data:`MAX_NESTING` levels; else a ``ValueError`` saying which. Python's parser reads 64 KB
-    hex integers and ~400 levels of arrays, which the checks and messages after it cannot
-    (``str()`` of such an int raises, and so does recursing that deep: diff review)."""
+def _readable(value: Any, depth: int = 0, key: str = "") -> Any:
+    """``value`` (parsed TOML at ``key``, ``depth`` tables down), if every integer in it is one
+    TOML allows and it nests at most :data:`MAX_NESTING` levels; else a ``ConfigError`` naming
+    the key (an array item by its index). Python's parser reads 64 KB hex integers and ~400
+    levels of arrays, which the checks and messages after it cannot (``str()`` of such an int
+    raises, and so does recursing that deep: diff review)."""
     if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
-        raise ValueError(_TOO_LONG)
+        raise ConfigError(key, _TOO_LONG)
     if isinstance(value, (list, dict)):
         if depth > MAX_NESTING:
-            raise ValueError(_TOO_DEEP)
-        for item in value.values() if isinstance(value, dict) else value:
-            _readable(item, depth + 1)
+            raise ConfigError(key, _TOO_DEEP)
+        if isinstance(value, dict):
+            items = ((f"{key}.{name}" if key else str(name), item) for name, item in value.items())
+        else:
+            items = ((f"{key}[{i}]", item) for i, item in enumerate(value))
+        for where, item in items:
+            _readable(item, depth + 1, where)
     return value
 
 
 def _unparsable(exc: ValueError | RecursionError) -> str:
     """Why valid-looking TOML could not be read: an integer past Python's 4,300 digits or
     TOML's 64 bits, or arrays or inline tables nested past what Python or a config reads."""
-    if isinstance(exc, RecursionError) or str(exc) == _TOO_DEEP:
+    if isinstance(exc, RecursionError):
         return _TOO_DEEP
-    if str(exc) == _TOO_LONG or "digits" in str(exc):  # (Python's own message advises raising its limit)
+    if "digits" in str(exc):  # (Python's own message advises raising its limit)
         return _TOO_LONG
     return f"a value Python cannot read: {exc}"
 
@@ -372,9 +378,10 @@ def _apply_override(raw: dict[str, Any], text: str) -> None:
             raise ConfigError(".".join(parts[:depth]), f"is not a table, so {name} cannot be set inside it")
         node = child
     try:
-        node[parts[-1]] = _override_value(value)
+        parsed = _override_value(value)
     except (ValueError, RecursionError) as exc:
         raise ConfigError(name, _unparsable(exc)) from None
+    node[parts[-1]] = _readable(parsed, len(parts), name)  # as deep as in a file
 
 
 def _override_value(text: str) -> Any:
@@ -385,7 +392,7 @@ def _override_value(text: str) -> Any:
         doc = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
-    return _readable(doc["v"], 1) if list(doc) == ["v"] else text
+    return doc["v"] if list(doc) == ["v"] else text
 
 
 # -- writing --------------------------------------------------------------------

@@ -35,7 +35,7 @@ def catch_early_sighup() -> None:
 
 
 @contextmanager
-def kept_signals(who: str) -> Iterator[None]:
+def kept_signals(who: str, signals: tuple = KEPT) -> Iterator[None]:
     """Run the block (plug-in code: ``who`` names it in the log) and put back how this process
     handled each signal of :data:`KEPT` before it, saying which ones the block had changed.
 
@@ -47,21 +47,22 @@ def kept_signals(who: str) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {signum: signal.getsignal(signum) for signum in KEPT}
+    before = {signum: signal.getsignal(signum) for signum in signals}
     masks = _masks()
     try:
         yield
     finally:
-        changed = [signum for signum, handler in before.items()
-                   if signal.getsignal(signum) != handler or _mask_bits(_masks(), signum) != _mask_bits(masks, signum)]
+        after = _masks()
+        changed = [signum for signum, handler in before.items() if handler is not None and (
+            signal.getsignal(signum) != handler or _mask_bits(after, signum) != _mask_bits(masks, signum))]
         for signum, handler in before.items():
             if handler is not None:
                 signal.signal(signum, handler)
         if changed:
-            log.warning("%s changed how this process handles %s; ingestd put its own handling back (it stops "
-                        "on SIGTERM and SIGINT and reloads on SIGHUP; workers ignore SIGINT and SIGHUP). A "
-                        "library's own handlers for these signals do not run under ingestd",
-                        who, ", ".join(signal.Signals(s).name for s in changed))
+            log.warning("%s changed how this process handles %s; ingestd put its own handling back (the daemon "
+                        "stops on SIGTERM and SIGINT, reloads on SIGHUP and reaps its workers on SIGCHLD; workers "
+                        "ignore SIGINT and SIGHUP; SIGPIPE stays ignored). A library's own handlers for these "
+                        "signals do not run under ingestd", who, ", ".join(signal.Signals(s).name for s in changed))
 
 
 def _masks() -> dict[str, int]:
