@@ -37,8 +37,9 @@ def test_max_policy_lag_filters_old_rows(shm_dir, sampler):
         current[0] = 11  # only version 9 is recent enough
         assert (r.sample(512).get(PV) == 9).all()
         current[0] = 20
-        with pytest.raises(EmptyReplay, match="policy_version >= 18"):
+        with pytest.raises(EmptyReplay, match="policy_version >= 18") as err:
             r.sample(8)
+        assert "paused, failed or stopped ones write none (`ingestctl status`)" in str(err.value)
 
 
 def test_without_a_filter_old_rows_come_back_and_the_reported_lag_is_theirs(shm_dir):

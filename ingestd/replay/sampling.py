@@ -200,7 +200,9 @@ class Sampling:
             lag = f"rows with policy_version >= {self._min_version} (max_policy_lag {self.max_policy_lag})"
             held = self.limiter.insert_blocked() if self.limiter is not None else None
             held = f"; the rate limiter holds the workers back ({held}): each writes one chunk per new " \
-                   "weights version all the same" if held else ""
+                   "weights version all the same" if held else (
+                "; such rows come only from collecting workers, a chunk after they apply the version: paused, "
+                "failed or stopped ones write none (`ingestctl status`)")  # (walkthrough review: said no why)
             return (f"no {lag}" if none_found is None else f"{none_found}, among {lag}") + held
         return none_found or "no committed rows could be copied"
 
