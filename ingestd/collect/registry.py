@@ -7,12 +7,12 @@ reject a config before any worker starts.
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 from typing import Any, Callable, Mapping
 
 from ingestd.collect.interfaces import Env, EnvContext, EnvSpec, Policy
+from ingestd.service.config_toml import closest
 
 ENV_ALIASES: Mapping[str, str] = {
     "CartPole": "ingestd.collect.envs.cartpole:CartPole",
@@ -101,7 +101,7 @@ def validate_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> N
         unknown = sorted(set(kwargs) - set(named))
         if unknown:
             free = [k for k in named if k not in kwargs]  # (not a name the config gives already)
-            guesses = [(k, close[0]) for k in unknown if (close := difflib.get_close_matches(k, free, 1, 0.6))]
+            guesses = [(k, guess) for k in unknown if (guess := closest(k, free)) is not None]
             hint = "; did you mean " + ", ".join(f"{g!r} for {k!r}" for k, g in guesses) + "?" if guesses else ""
             raise ValueError(f"{name} got unknown keyword arguments {unknown}; "
                              f"it accepts {sorted(named) or 'none'}{hint}")

@@ -57,24 +57,21 @@ def refused(path) -> bool:
     """Whether connecting to the unix socket file ``path`` is refused (ECONNREFUSED): nothing
     listens on it, a file left by a killed daemon (or a file that is no socket). Any other
     outcome (a connection, no such file, a full backlog's timeout) is not a refusal."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
-    return False
+    return isinstance(_connect_error(path), ConnectionRefusedError)
 
 
 def answering(path) -> bool:
     """Whether something accepts connections on the unix socket ``path`` (a live daemon; a file
     left by a killed one refuses them, and a missing one is no listener)."""
+    return _connect_error(path) is None  # ECONNREFUSED: a stale file from a daemon that died; ENOENT: none
+
+
+def _connect_error(path) -> OSError | None:
+    """What connecting to the unix socket ``path`` raised (within 1 s), or None if it connected."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(str(path))
-        except OSError:  # ECONNREFUSED: a stale file from a daemon that died; ENOENT: none
-            return False
-    return True
+        except OSError as exc:
+            return exc
+    return None

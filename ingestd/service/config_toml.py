@@ -115,7 +115,13 @@ def describe(value: Any) -> str:
     return f"{value!r} (a Python {type(value).__name__}, which TOML cannot express)"
 
 
+def closest(word: str, choices: Any) -> str | None:
+    """The choice closest to ``word`` if one is close enough to be what was meant, else None."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def suggest(word: str, choices: Any) -> str:
     """``; did you mean 'x'?`` for the closest choice, or ``""``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    guess = closest(word, choices)
+    return f"; did you mean {guess!r}?" if guess is not None else ""
