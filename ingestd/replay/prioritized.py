@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ingestd.replay.inputs import slot_indices, wait_deadline
+from ingestd.replay.inputs import slot_indices
 from ingestd.replay.priority import PriorityTree
 
 INDEX, WEIGHT = ("ingestd", "index"), ("ingestd", "weight")
@@ -86,9 +86,8 @@ def update(tree: PriorityTree, seq: np.ndarray, capacity: int, alpha: float, ind
     "write_index")`` are used) or the slot indices; ``write_index`` (from the sample)
     makes the update skip slots overwritten since. Without it, only committed slots
     are updated, whatever row they now hold. ``timeout``: ``LockBusy`` (nothing updated)
-    if another trainer holds ``priority.lock`` that long (None: wait for it)."""
-    if timeout is not None:
-        wait_deadline(timeout)  # (checked as a sample's timeout)
+    if another trainer holds ``priority.lock`` that long (None: wait for it; checked by the caller,
+    ``Sampling.update_priorities``, as a sample's timeout)."""
     if isinstance(index, TensorDictBase):
         if INDEX not in index.keys(include_nested=True):
             raise ValueError("update_priorities takes a batch from sample() of this prioritized reader (it "
